@@ -1,0 +1,35 @@
+"""The `orchestrator` command: one small module per verb, each a thin layer over the SDK."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from orchestrator.cli import cmd_init, cmd_push, cmd_validate
+from orchestrator.errors import ConfigError, OrchestratorError
+
+app = typer.Typer(
+    name="orchestrator",
+    help="Baseten-Training-style jobs on your own Ray cluster.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("validate")(cmd_validate.validate)
+app.command("init")(cmd_init.init)
+app.command("push")(cmd_push.push)
+
+_stderr = Console(stderr=True)
+
+
+def main() -> None:
+    try:
+        app()
+    except ConfigError as e:
+        _stderr.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        sys.exit(2)
+    except OrchestratorError as e:
+        _stderr.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        sys.exit(1)

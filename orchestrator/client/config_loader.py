@@ -1,0 +1,122 @@
+"""Loads a user's `config.py` into a validated `TrainingProject`."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from pydantic import BaseModel, ValidationError
+
+from orchestrator import definitions
+from orchestrator.client.truss_compat import baseten_imports, from_truss_project, is_truss_project
+from orchestrator.errors import ConfigError
+from orchestrator.spec.training import TrainingProject
+from orchestrator.spec.validation import describe_validation_error
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    project: TrainingProject
+    config_path: Path
+    source_dir: Path  # the config's directory: what gets packaged unless a Workspace says otherwise
+
+
+def load_config(path: str | Path) -> LoadedConfig:
+    """Run `config.py` and return its one `TrainingProject`, fully validated.
+
+    The config's directory is importable while it runs, so it can import sibling modules.
+    """
+    config_path = Path(path).expanduser().resolve()
+    if not config_path.is_file() or config_path.suffix != ".py":
+        raise ConfigError(
+            f"{path} must point to a python file (a config.py defining a TrainingProject)"
+        )
+    module = _execute(config_path)
+    project = validate_project(_find_project(module, config_path))
+    return LoadedConfig(project=project, config_path=config_path, source_dir=config_path.parent)
+
+
+def validate_project(project: object) -> TrainingProject:
+    """Validate the whole project again, so edits made after construction are checked too."""
+    if is_truss_project(project):
+        return from_truss_project(project)
+    if not isinstance(project, TrainingProject):
+        raise ConfigError(f"expected a TrainingProject, got {type(project).__name__}")
+    try:
+        return TrainingProject.model_validate_json(project.model_dump_json())
+    except ValidationError as e:
+        raise ConfigError(
+            "The TrainingProject is invalid:", describe_validation_error(e, TrainingProject, "")
+        ) from None
+
+
+def _execute(config_path: Path) -> ModuleType:
+    digest = hashlib.sha1(str(config_path).encode()).hexdigest()[:10]
+    name = f"_orchestrator_config_{digest}"
+    spec = importlib.util.spec_from_file_location(name, config_path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{config_path} cannot be imported as a python module")
+    module = importlib.util.module_from_spec(spec)
+    config_dir = str(config_path.parent)
+    modules_before = set(sys.modules)
+    sys.modules[name] = module
+    sys.path.insert(0, config_dir)
+    try:
+        with baseten_imports():
+            spec.loader.exec_module(module)
+    except ConfigError:
+        raise
+    except ValidationError as e:
+        raise ConfigError(
+            f"{config_path.name}{_where(e, config_path)}: invalid {e.title}",
+            describe_validation_error(e, _model_named(e.title)),
+        ) from None
+    except (Exception, SystemExit) as e:
+        raise ConfigError(
+            f"{config_path.name}{_where(e, config_path)} raised {type(e).__name__}: {e}"
+        ) from e
+    finally:
+        sys.path.remove(config_dir)
+        # Sibling modules imported by this config must not leak into the next config's imports.
+        for mod_name in set(sys.modules) - modules_before:
+            file = getattr(sys.modules[mod_name], "__file__", None) or ""
+            if mod_name == name or file.startswith(config_dir + "/"):
+                del sys.modules[mod_name]
+    return module
+
+
+def _where(error: BaseException, config_path: Path) -> str:
+    """` line N` of the innermost frame inside the config file, if any."""
+    frames = [
+        f for f in traceback.extract_tb(error.__traceback__) if f.filename == str(config_path)
+    ]
+    return f" line {frames[-1].lineno}" if frames else ""
+
+
+def _model_named(title: str) -> type[BaseModel] | None:
+    cls = getattr(definitions, title, None)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def _find_project(module: ModuleType, config_path: Path) -> object:
+    found: dict[int, tuple[object, list[str]]] = {}
+    for var, value in vars(module).items():
+        if isinstance(value, TrainingProject) or is_truss_project(value):
+            found.setdefault(id(value), (value, []))[1].append(var)
+    if not found:
+        raise ConfigError(
+            f"{config_path} defines no TrainingProject: assign one at module level, e.g. "
+            "`project = TrainingProject(name=..., job=TrainingJob(...))`"
+        )
+    if len(found) > 1:
+        names = "; ".join(" = ".join(names) for _, names in found.values())
+        raise ConfigError(
+            f"{config_path} defines {len(found)} TrainingProjects ({names}): keep exactly one "
+            "at module level"
+        )
+    return next(iter(found.values()))[0]

@@ -1,0 +1,98 @@
+"""Configs written for Baseten run unchanged.
+
+Without the `truss` package, `import truss_train` and `from truss.base import truss_config` resolve
+to our own definitions while a config runs. With `truss` installed, its objects are converted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from pydantic import ValidationError
+
+from orchestrator import definitions
+from orchestrator.errors import ConfigError
+from orchestrator.spec.training import TrainingProject
+from orchestrator.spec.validation import describe_validation_error
+
+_TRUSS_CONFIG_NAMES = (
+    "Accelerator",
+    "AcceleratorSpec",
+    "WeightsSource",
+    "WeightsAuth",
+    "WeightsAuthMethod",
+)
+
+
+def truss_installed() -> bool:
+    try:
+        return importlib.util.find_spec("truss_train") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _shim_modules() -> dict[str, types.ModuleType]:
+    def module(name: str, attrs: dict[str, Any], package: bool = False) -> types.ModuleType:
+        mod = types.ModuleType(name, f"orchestrator's stand-in for {name}")
+        mod.__dict__.update(attrs)
+        if package:
+            mod.__path__ = []
+        return mod
+
+    spec = {n: getattr(definitions, n) for n in definitions.__all__}
+    truss_config = module(
+        "truss.base.truss_config", {n: getattr(definitions, n) for n in _TRUSS_CONFIG_NAMES}
+    )
+    base = module("truss.base", {"truss_config": truss_config}, package=True)
+    truss = module("truss", {"base": base}, package=True)
+    train_defs = module("truss_train.definitions", spec)
+    truss_train = module("truss_train", {**spec, "definitions": train_defs}, package=True)
+    return {
+        "truss": truss,
+        "truss.base": base,
+        "truss.base.truss_config": truss_config,
+        "truss_train": truss_train,
+        "truss_train.definitions": train_defs,
+    }
+
+
+@contextmanager
+def baseten_imports() -> Iterator[None]:
+    """While active, Baseten's import paths resolve to our definitions (unless truss is real)."""
+    if truss_installed():
+        yield
+        return
+    added = {name: mod for name, mod in _shim_modules().items() if name not in sys.modules}
+    sys.modules.update(added)
+    try:
+        yield
+    finally:
+        for name, mod in added.items():
+            if sys.modules.get(name) is mod:
+                del sys.modules[name]
+
+
+def is_truss_project(obj: object) -> bool:
+    cls = type(obj)
+    return cls.__name__ == "TrainingProject" and cls.__module__.startswith("truss_train")
+
+
+def from_truss_project(obj: Any) -> TrainingProject:
+    """Convert a real `truss_train.TrainingProject` (its `job` is excluded from its own dump)."""
+    data = {
+        "name": obj.name,
+        "team_name": getattr(obj, "team_name", None),
+        "job": obj.job.model_dump(mode="json"),
+    }
+    try:
+        return TrainingProject.model_validate(data, strict=False)
+    except ValidationError as e:
+        raise ConfigError(
+            "The truss_train project cannot run on orchestrator:",
+            describe_validation_error(e, TrainingProject, prefix=""),
+        ) from None

@@ -1,0 +1,89 @@
+"""Shared building blocks of the spec: the strict base model and reusable field checks."""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Any, TypeVar
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+class StrictModel(BaseModel):
+    """Like truss_train's `SafeModelNoExtra`: no coercion, no unknown keys, checked on set."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", validate_assignment=True)
+
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_safe_name(value: str) -> str:
+    """Names become path segments (storage layout, Ray names), so keep them boring."""
+    if not _SAFE_NAME.fullmatch(value) or value.endswith("."):
+        raise ValueError(
+            f"{value!r} is not a safe name: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit and not ending with '.'"
+        )
+    return value
+
+
+SafeName = Annotated[str, AfterValidator(check_safe_name)]
+
+
+def lenient_enum(enum_cls: type[E]) -> Any:
+    """An enum field that also takes the member's value or name as a string (any case).
+
+    truss_train is strict and rejects `availability_model="spot"`; accepting it loses nothing and
+    keeps configs written for Baseten (which pass members) working unchanged.
+    """
+
+    def coerce(value: Any) -> Any:
+        if isinstance(value, str) and not isinstance(value, enum_cls):
+            for member in enum_cls:
+                if value.lower() in (str(member.value).lower(), member.name.lower()):
+                    return member
+            allowed = ", ".join(repr(m.value) for m in enum_cls)
+            raise ValueError(f"{value!r} is not one of {allowed}")
+        return value
+
+    return Annotated[enum_cls, BeforeValidator(coerce)]
+
+
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(k|Ki|Mi?|Gi?|Ti?|Pi?|Ei?)?\s*$")
+_MEMORY_UNITS = {
+    None: 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+
+
+def parse_memory(value: str) -> int:
+    """Kubernetes-style quantity ("2Gi", "512M", "1.5G") to bytes."""
+    match = _MEMORY.fullmatch(value)
+    if not match:
+        raise ValueError(
+            f"{value!r} is not a memory size: write a number with an optional unit, one of "
+            "k, M, G, T, Ki, Mi, Gi, Ti (for example '2Gi' or '512Mi')"
+        )
+    number, unit = match.groups()
+    return int(float(number) * _MEMORY_UNITS[unit])
+
+
+def check_memory(value: str) -> str:
+    parse_memory(value)
+    return value
+
+
+MemoryQuantity = Annotated[str, AfterValidator(check_memory)]
+
+
+def check_absolute(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"{value!r} must be an absolute path (starting with /)")
+    return value
+
+
+AbsolutePath = Annotated[str, AfterValidator(check_absolute)]
