@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -326,17 +325,3 @@ def test_failed_write_leaves_no_archive_behind(tmp_path: Path) -> None:
         write_archive(plan, out / "workspace.tar")
 
     assert list(out.iterdir()) == []
-
-
-def test_planning_ten_thousand_files_is_fast(tmp_path: Path) -> None:
-    for d in range(100):
-        (tmp_path / f"pkg{d}").mkdir()
-        for i in range(100):
-            (tmp_path / f"pkg{d}" / f"m{i}.py").write_bytes(b"")
-
-    start = time.perf_counter()
-    plan = plan_workspace(tmp_path)
-    elapsed = time.perf_counter() - start
-
-    assert plan.file_count == 10_000
-    assert elapsed < 2.0  # about 0.15 s on a laptop; generous to stay stable on busy CI

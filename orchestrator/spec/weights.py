@@ -127,7 +127,7 @@ class WeightsSource(StrictModel):
     def _check_mount(cls, value: str) -> str:
         if not value.startswith("/"):
             raise ValueError(f"{value!r} must be an absolute path such as /app/models/llama")
-        if ".." in value.split("/") or posixpath.normpath(value) == "/":
+        if ".." in value.split("/") or not value.strip("/"):
             raise ValueError(f"{value!r} must be a directory below / without '..'")
         return value
 
@@ -152,4 +152,4 @@ class WeightsSource(StrictModel):
 
     @property
     def normalized_mount(self) -> str:
-        return posixpath.normpath(self.mount_location)
+        return "/" + posixpath.normpath(self.mount_location).lstrip("/")

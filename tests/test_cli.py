@@ -1,0 +1,162 @@
+"""The CLI as a user runs it: a real subprocess of `python -m orchestrator`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MNIST = REPO / "recipes" / "mnist-pytorch" / "config.py"
+
+
+def run_cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=120,
+    )
+
+
+def write_config(directory: Path, body: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "config.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_validate_prints_the_resolved_job():
+    result = run_cli("validate", MNIST)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "mnist-pytorch" in out
+    assert "1 x (cpu 2, memory 4Gi, accelerator none (CPU))" in out
+    assert "chmod +x ./run.sh && ./run.sh" in out
+    assert "checkpointing   enabled" in out
+    assert "files" in out and "valid" in out
+
+
+def test_validate_json_shows_secrets_as_references_only(tmp_path):
+    config = write_config(
+        tmp_path / "job",
+        """
+        from truss_train import definitions
+        project = definitions.TrainingProject(
+            name="secretive",
+            job=definitions.TrainingJob(
+                image=definitions.Image(base_image="python:3.11"),
+                compute=definitions.Compute(node_count=2, accelerator="H100:8"),
+                runtime=definitions.Runtime(
+                    environment_variables={
+                        "HF_TOKEN": definitions.SecretReference(name="hf_access_token"),
+                        "PLAIN": "visible-only-by-name",
+                    }
+                ),
+            ),
+        )
+        """,
+    )
+    result = run_cli("validate", config, "-o", "json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["nodes"] == 2
+    assert summary["per_node"]["accelerator"] == "H100:8" and summary["per_node"]["gpus"] == 8
+    assert summary["environment"] == {"HF_TOKEN": "secret:hf_access_token", "PLAIN": "(set)"}
+    assert summary["secrets"] == ["hf_access_token"]
+    assert summary["archive"]["files"] == 1
+    assert "visible-only-by-name" not in result.stdout
+
+
+def test_invalid_config_fails_with_the_field_path(tmp_path):
+    config = write_config(
+        tmp_path,
+        """
+        from orchestrator import definitions as d
+        project = d.TrainingProject(
+            name="p",
+            job=d.TrainingJob(image=d.Image(base_image="x"), compute=d.Compute(memory="lots")),
+        )
+        """,
+    )
+    result = run_cli("validate", config)
+    assert result.returncode == 2
+    assert "config.py line 5: invalid Compute" in result.stderr
+    assert "Compute.memory: 'lots' is not a memory size" in result.stderr
+    assert result.stdout == ""
+
+
+def test_push_dry_run_applies_overrides_and_submits_nothing():
+    result = run_cli(
+        "push", MNIST, "--dry-run", "--node-count", "2", "--job-name", "try-1",
+        "--entrypoint", "python train.py --epochs 1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "--node-count 2 overrides 1 from the config" in out
+    assert "2 x (cpu 2" in out and "try-1" in out
+    assert "start commands  python train.py --epochs 1 " in out
+    assert "nothing was submitted" in out and "sha256" in out
+
+
+def test_push_dry_run_refuses_bad_overrides():
+    result = run_cli("push", MNIST, "--dry-run", "--accelerator", "H100:zero")
+    assert result.returncode == 2
+    assert "job.compute.accelerator" in result.stderr
+
+
+def test_push_refuses_features_orchestrator_cannot_honour(tmp_path):
+    config = write_config(
+        tmp_path,
+        """
+        from orchestrator import definitions as d
+        project = d.TrainingProject(
+            name="p",
+            job=d.TrainingJob(
+                image=d.Image(base_image="x"),
+                interactive_session=d.InteractiveSession(
+                    trigger=d.InteractiveSessionTrigger.ON_STARTUP
+                ),
+            ),
+        )
+        """,
+    )
+    result = run_cli("push", config, "--dry-run")
+    assert result.returncode == 1
+    assert "interactive_session trigger on_startup" in result.stderr
+
+
+def test_init_writes_a_starter_that_validates(tmp_path):
+    target = tmp_path / "starter"
+    result = run_cli("init", "--target-directory", target)
+    assert result.returncode == 0, result.stderr
+    assert os.access(target / "run.sh", os.X_OK)
+    assert run_cli("validate", target / "config.py").returncode == 0
+    again = run_cli("init", "--target-directory", target)
+    assert again.returncode == 1 and "already exists" in again.stderr
+
+
+def test_init_copies_recipes(tmp_path):
+    listing = run_cli("init", "--list-examples")
+    assert listing.returncode == 0 and "mnist-pytorch" in listing.stdout
+    result = run_cli("init", "--examples", "mnist-pytorch", "--target-directory", tmp_path)
+    assert result.returncode == 0, result.stderr
+    copied = tmp_path / "mnist-pytorch"
+    assert (copied / "train.py").read_text() == (MNIST.parent / "train.py").read_text()
+    assert os.access(copied / "run.sh", os.X_OK)
+    missing = run_cli("init", "--examples", "no-such-recipe", "--target-directory", tmp_path)
+    assert missing.returncode == 1 and "available: " in missing.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["push", "--help"]])
+def test_help(args):
+    result = run_cli(*args)
+    assert result.returncode == 0
+    assert "Usage" in result.stdout
