@@ -136,7 +136,7 @@ def test_memory_units(memory, expected):
 @pytest.mark.parametrize("memory", ["abc", "2GB", "2 gigs", "", "1ki", "-1Gi"])
 def test_bad_memory_says_which_units_exist(memory):
     line = one_problem(d.Compute, memory=memory)
-    assert line.startswith("Compute.memory: ") and "Ki, Mi, Gi, Ti" in line
+    assert line.startswith("Compute.memory: ") and "Ki, Mi, Gi, Ti, Pi, Ei" in line
 
 
 def test_availability_model_takes_member_or_string():
@@ -221,13 +221,17 @@ def test_blank_start_command_is_rejected():
 # --- names -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["my project", "a/b", "..", "-lead", "x" * 129, "", "end."])
+@pytest.mark.parametrize(
+    "name", ["a/b", "..", ".hidden", "-lead", "x" * 129, "", "end.", "trailing "]
+)
 def test_project_names_must_be_safe_path_segments(name):
     line = one_problem(d.TrainingProject, name=name, job=d.TrainingJob(image=image()))
     assert line.startswith("TrainingProject.name: ") and "not a safe name" in line
 
 
-@pytest.mark.parametrize("name", ["llama-8b", "run_2", "v1.2", "A"])
+@pytest.mark.parametrize(
+    "name", ["llama-8b", "run_2", "v1.2", "A", "Axolotl 20B 1 Node", "gpt-oss (lora)"]
+)
 def test_good_names_pass(name):
     project = d.TrainingProject(
         name=name, team_name=name, job=d.TrainingJob(image=image(), name=name)
@@ -271,7 +275,8 @@ def test_checkpoint_references_from_dicts_are_tagged_by_typ():
     assert lines == [
         "LoadCheckpointConfig.checkpoints[0].checkpoint_name: is required",
         "LoadCheckpointConfig.checkpoints[0].job_id: 'j/k' is not a safe name: use 1-128 "
-        "letters, digits, '.', '_' or '-', starting with a letter or digit and not ending with '.'",
+        "letters, digits, spaces, '.', '_', '-', '+' or parentheses, starting with a letter or "
+        "digit and not ending with '.' or a space",
     ]
 
 

@@ -7,7 +7,16 @@ import sys
 import typer
 from rich.console import Console
 
-from orchestrator.cli import cmd_init, cmd_push, cmd_validate
+from orchestrator.cli import (
+    cmd_init,
+    cmd_logs,
+    cmd_push,
+    cmd_run,
+    cmd_stop,
+    cmd_validate,
+    cmd_view,
+)
+from orchestrator.cli.cmd_cluster import cluster_app
 from orchestrator.errors import ConfigError, OrchestratorError
 
 app = typer.Typer(
@@ -20,6 +29,11 @@ app = typer.Typer(
 app.command("validate")(cmd_validate.validate)
 app.command("init")(cmd_init.init)
 app.command("push")(cmd_push.push)
+app.command("logs")(cmd_logs.logs)
+app.command("view")(cmd_view.view)
+app.command("stop")(cmd_stop.stop)
+app.command("run")(cmd_run.run)
+app.add_typer(cluster_app, name="cluster")
 
 _stderr = Console(stderr=True)
 

@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from orchestrator.cli.jobs_common import follow
+from orchestrator.cli.options import Address, StorageRootOption
 from orchestrator.cli.render import (
     OutputFormat,
     console,
@@ -16,11 +18,15 @@ from orchestrator.cli.render import (
     print_json,
     print_warnings,
 )
+from orchestrator.client.connection import connect, storage
 from orchestrator.client.job_summary import describe_job
+from orchestrator.client.jobs import JobHandle
 from orchestrator.client.overrides import Overrides
-from orchestrator.client.prepare import prepare_job
+from orchestrator.client.prepare import PreparedJob, prepare_job
+from orchestrator.client.submit import submit
 from orchestrator.client.workspace import write_archive
-from orchestrator.errors import OrchestratorError
+from orchestrator.lifecycle import JobState
+from orchestrator.storage.job_store import JobStore
 
 
 def push(
@@ -36,17 +42,38 @@ def push(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Do everything short of submitting")
     ] = False,
-    address: Annotated[str | None, typer.Option("--address", help="Ray dashboard address")] = None,
+    address: Address = None,
+    storage_root: StorageRootOption = None,
     output: Annotated[OutputFormat, typer.Option("-o", "--output")] = OutputFormat.text,
 ) -> None:
     """Push a training job."""
     overrides = Overrides(job_name, team, node_count, accelerator, entrypoint)
     prepared = prepare_job(config, overrides=overrides)
-    if not dry_run:
-        raise OrchestratorError(
-            "submitting to Ray is not implemented in this version; "
-            "`orchestrator push --dry-run` shows what would be submitted"
+    if dry_run:
+        _dry_run(prepared, output)
+        return
+    print_warnings(list(prepared.warnings))
+    connection = connect(address)
+    store = JobStore(storage(storage_root))
+    record = submit(prepared, connection, store.root)
+    job = JobHandle(store, record)
+    if output is OutputFormat.json:
+        print_json(
+            {"training_project": job["training_project"], "training_job": job["training_job"]}
         )
+    else:
+        console.print(
+            f"pushed job [bold]{job.id}[/bold] of project {job.project} to {connection.address}\n"
+            f"  logs:  orchestrator logs --job-id {job.id} --tail\n"
+            f"  view:  orchestrator view --job-id {job.id}\n"
+            f"  stop:  orchestrator stop --job-id {job.id}",
+            markup=True,
+        )
+    if tail and follow(job) != JobState.COMPLETED:
+        raise typer.Exit(1)
+
+
+def _dry_run(prepared: PreparedJob, output: OutputFormat) -> None:
     with tempfile.TemporaryDirectory(prefix="orchestrator-dry-run-") as tmp:
         archive = write_archive(prepared.plan, Path(tmp) / "workspace.tar")
     summary = describe_job(prepared.project, prepared.plan)

@@ -10,6 +10,7 @@ import typer
 from orchestrator.cli.render import OutputFormat, print_job_summary, print_json
 from orchestrator.client.config_loader import load_config
 from orchestrator.client.job_summary import describe_job
+from orchestrator.client.support import check_support
 from orchestrator.client.workspace import plan_workspace
 
 
@@ -25,4 +26,6 @@ def validate(
         print_json(summary)
     else:
         print_job_summary(summary)
+    check_support(loaded.project.job).raise_for_errors()
+    if output is OutputFormat.text:
         typer.echo(f"{config}: valid")

@@ -48,7 +48,9 @@ def validate_project(project: object) -> TrainingProject:
     if not isinstance(project, TrainingProject):
         raise ConfigError(f"expected a TrainingProject, got {type(project).__name__}")
     try:
-        return TrainingProject.model_validate_json(project.model_dump_json())
+        # A Python-mode dump keeps whatever was assigned after construction, so validation
+        # (not serialisation) reports a bad value, with its path.
+        return TrainingProject.model_validate(project.model_dump(warnings=False))
     except ValidationError as e:
         raise ConfigError(
             "The TrainingProject is invalid:", describe_validation_error(e, TrainingProject, "")
@@ -67,8 +69,11 @@ def _execute(config_path: Path) -> ModuleType:
     sys.modules[name] = module
     sys.path.insert(0, config_dir)
     try:
+        # Compile from source: a cached .pyc could be stale when a script rewrites the config
+        # within the same second (a sweep), and the user must get what the file says now.
+        code = compile(config_path.read_bytes(), str(config_path), "exec")
         with baseten_imports():
-            spec.loader.exec_module(module)
+            exec(code, module.__dict__)
     except ConfigError:
         raise
     except ValidationError as e:
@@ -84,10 +89,15 @@ def _execute(config_path: Path) -> ModuleType:
         sys.path.remove(config_dir)
         # Sibling modules imported by this config must not leak into the next config's imports.
         for mod_name in set(sys.modules) - modules_before:
-            file = getattr(sys.modules[mod_name], "__file__", None) or ""
-            if mod_name == name or file.startswith(config_dir + "/"):
+            if mod_name == name or _lives_in(sys.modules[mod_name], config_dir):
                 del sys.modules[mod_name]
     return module
+
+
+def _lives_in(module: ModuleType, directory: str) -> bool:
+    """A module or (namespace) package loaded from `directory`."""
+    places = [getattr(module, "__file__", None) or "", *getattr(module, "__path__", [])]
+    return any(str(p).startswith(directory + "/") for p in places)
 
 
 def _where(error: BaseException, config_path: Path) -> str:

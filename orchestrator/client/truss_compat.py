@@ -23,10 +23,21 @@ from orchestrator.spec.validation import describe_validation_error
 _TRUSS_CONFIG_NAMES = (
     "Accelerator",
     "AcceleratorSpec",
+    "DockerAuthType",
     "WeightsSource",
     "WeightsAuth",
     "WeightsAuthMethod",
 )
+
+
+def _push(config: Any, *args: Any, source_dir: Any = None, **kwargs: Any) -> Any:
+    """`truss_train.push` for configs that push themselves: goes to orchestrator's `push`.
+
+    Baseten-only arguments (`remote`, `team_id`) are ignored.
+    """
+    from orchestrator.client.api import push
+
+    return push(config, source_dir=source_dir)
 
 
 def truss_installed() -> bool:
@@ -51,7 +62,9 @@ def _shim_modules() -> dict[str, types.ModuleType]:
     base = module("truss.base", {"truss_config": truss_config}, package=True)
     truss = module("truss", {"base": base}, package=True)
     train_defs = module("truss_train.definitions", spec)
-    truss_train = module("truss_train", {**spec, "definitions": train_defs}, package=True)
+    truss_train = module(
+        "truss_train", {**spec, "definitions": train_defs, "push": _push}, package=True
+    )
     return {
         "truss": truss,
         "truss.base": base,

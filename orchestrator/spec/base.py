@@ -17,15 +17,18 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", validate_assignment=True)
 
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9 ._()+-]{0,126}[A-Za-z0-9_()+-])?$")
 
 
 def check_safe_name(value: str) -> str:
-    """Names become path segments (storage layout, Ray names), so keep them boring."""
-    if not _SAFE_NAME.fullmatch(value) or value.endswith("."):
+    """Names become path segments (storage layout, Ray names): no '/', no leading '.'.
+
+    Spaces are allowed inside ("Axolotl 20B 1 Node", as Baseten's cookbook names projects).
+    """
+    if not _SAFE_NAME.fullmatch(value):
         raise ValueError(
-            f"{value!r} is not a safe name: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit and not ending with '.'"
+            f"{value!r} is not a safe name: use 1-128 letters, digits, spaces, '.', '_', '-', "
+            "'+' or parentheses, starting with a letter or digit and not ending with '.' or a space"
         )
     return value
 
@@ -66,7 +69,7 @@ def parse_memory(value: str) -> int:
     if not match:
         raise ValueError(
             f"{value!r} is not a memory size: write a number with an optional unit, one of "
-            "k, M, G, T, Ki, Mi, Gi, Ti (for example '2Gi' or '512Mi')"
+            "k, M, G, T, P, E, Ki, Mi, Gi, Ti, Pi, Ei (for example '2Gi' or '512Mi')"
         )
     number, unit = match.groups()
     return int(float(number) * _MEMORY_UNITS[unit])

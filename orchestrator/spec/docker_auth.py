@@ -6,7 +6,7 @@ import enum
 
 from pydantic import Field, StrictStr, model_validator
 
-from orchestrator.spec.base import StrictModel
+from orchestrator.spec.base import StrictModel, lenient_enum
 from orchestrator.spec.secrets import SecretReference
 
 NonEmpty = Field(min_length=1)
@@ -64,7 +64,7 @@ _SUB_CONFIG = {
 class DockerAuth(StrictModel):
     """Exactly the one sub-config matching `auth_method` must be set."""
 
-    auth_method: DockerAuthType
+    auth_method: lenient_enum(DockerAuthType)  # type: ignore[valid-type]
     registry: StrictStr
     aws_iam_docker_auth: AWSIAMDockerAuth | None = None
     aws_oidc_docker_auth: AWSOIDCDockerAuth | None = None

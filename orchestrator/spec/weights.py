@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, StrictStr, field_validator, model_validator
 
 from orchestrator.spec.base import StrictModel
+from orchestrator.spec.secrets import SecretName
 
 SUPPORTED_SCHEMES = ("hf", "s3", "gs", "r2", "azure", "https")
 
@@ -38,7 +39,7 @@ class WeightsAuth(StrictModel):
     """How to authenticate to a weights source: exactly the fields of one method."""
 
     auth_method: WeightsAuthMethod
-    auth_secret_name: StrictStr | None = None
+    auth_secret_name: SecretName | None = None
     aws_oidc_role_arn: StrictStr | None = None
     aws_oidc_region: StrictStr | None = None
     gcp_oidc_service_account: StrictStr | None = None
@@ -82,7 +83,7 @@ class WeightsSource(StrictModel):
     source: StrictStr = Field(min_length=1)
     mount_location: StrictStr = Field(min_length=1)
     auth: WeightsAuth | None = None
-    auth_secret_name: StrictStr | None = None
+    auth_secret_name: SecretName | None = None
     allow_patterns: list[StrictStr] | None = None
     ignore_patterns: list[StrictStr] | None = None
 

@@ -1,0 +1,198 @@
+"""The node agent: prepares its node for a job, runs the start commands, and stops them.
+
+One agent per bundle of the job's placement group. Ray gives it the bundle's resources, so
+CUDA_VISIBLE_DEVICES is set for the bundle's GPUs and the commands inherit it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from orchestrator.agents.secrets import SecretMasker, resolve_secret
+from orchestrator.storage.root import StorageRoot
+
+NODE_ROOT_ENV = "ORCHESTRATOR_NODE_ROOT"
+LAST_LINES = 50
+
+
+def node_root() -> Path:
+    """Node-local base for working, scratch and checkpoint directories."""
+    return Path(os.environ.get(NODE_ROOT_ENV) or Path(tempfile.gettempdir()) / "orchestrator")
+
+
+class NodeAgent:
+    """A Ray actor (threaded, so `stop` can run while `run_commands` streams)."""
+
+    def __init__(self, job_id: str, rank: int, storage_root: str) -> None:
+        self.job_id, self.rank = job_id, rank
+        self.storage = StorageRoot(storage_root)
+        self.base = node_root() / "jobs" / job_id / f"rank-{rank}"
+        self.working_dir = self.base / "workspace"
+        self.scratch_dir = self.base / "scratch"
+        self._process: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+
+    def node_info(self) -> dict[str, Any]:
+        import ray
+
+        return {
+            "rank": self.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "working_dir": str(self.working_dir),
+        }
+
+    def prepare(
+        self, archive_path: str, sha256: str, checkpoint_dir: str | None, secret_names: list[str]
+    ) -> dict[str, Any]:
+        """Check secrets, fetch and unpack the code archive, create the job's directories."""
+        for name in secret_names:
+            resolve_secret(name)  # a missing secret fails the deploy, naming it
+        if self.working_dir.exists():
+            shutil.rmtree(self.working_dir)
+        self.working_dir.mkdir(parents=True)
+        self.scratch_dir.mkdir(parents=True, exist_ok=True)
+        local_tar = self.base / "workspace.tar"
+        self.storage.get_file(archive_path, local_tar)
+        digest = _sha256(local_tar)
+        if digest != sha256:
+            raise RuntimeError(f"code archive {archive_path} is corrupt: sha256 {digest}")
+        with tarfile.open(local_tar) as tar:
+            tar.extractall(self.working_dir, filter="tar")
+        local_tar.unlink()
+        (self.base / "checkpoints").mkdir(exist_ok=True)
+        if checkpoint_dir:
+            Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        return self.node_info()
+
+    def run_commands(
+        self, commands: list[str], env: dict[str, str], secrets: dict[str, str], cwd: str
+    ) -> Iterator[tuple[str, Any]]:
+        """Run `commands` in order through a shell, stopping at the first failure.
+
+        Yields ("lines", [tagged lines]) as output arrives and finally ("result", {...}).
+        `secrets` maps env var names to secret names, resolved here and masked in every line.
+        """
+        values = {var: resolve_secret(name) for var, name in secrets.items()}
+        mask = SecretMasker(list(values.values()))
+        full_env = {**os.environ, **env, **values}
+        # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.
+        full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
+        last_lines: deque[str] = deque(maxlen=LAST_LINES)
+        for command in commands:
+            if self._stopping.is_set():
+                break
+            lines: queue.Queue[str | None] = queue.Queue()
+            self._process = subprocess.Popen(
+                ["/bin/sh", "-c", command],
+                cwd=cwd,
+                env=full_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group, so stop reaches every child
+            )
+            reader = threading.Thread(target=_pump, args=(self._process, lines), daemon=True)
+            reader.start()
+            done = False
+            while not done:
+                batch = _drain(lines)
+                if batch and batch[-1] is None:
+                    done = True
+                    batch.pop()
+                if batch:
+                    tagged = [self._tag(mask(line)) for line in batch]
+                    last_lines.extend(mask(line) for line in batch)
+                    yield ("lines", tagged)
+            code = self._process.wait()
+            if code != 0:
+                yield ("result", {
+                    "exit_code": code, "command": command, "last_lines": list(last_lines),
+                    "stopped": self._stopping.is_set(),
+                })  # fmt: skip
+                return
+        yield ("result", {
+            "exit_code": 0, "command": None, "last_lines": list(last_lines),
+            "stopped": self._stopping.is_set(),
+        })  # fmt: skip
+
+    def stop(self, grace_s: float = 10.0) -> bool:
+        """SIGTERM the running command's process group, SIGKILL after `grace_s`."""
+        self._stopping.set()
+        proc = self._process
+        if proc is None or proc.poll() is not None:
+            return False
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _signal_group(proc.pid, signal.SIGKILL)  # children that ignored SIGTERM and outlived sh
+        return True
+
+    def cleanup(self) -> None:
+        """Remove the job's scratch directory and working copy from this node.
+
+        Local checkpoints stay: uploading them to the storage root is not implemented yet.
+        """
+        self.stop(grace_s=0)
+        shutil.rmtree(self.scratch_dir, ignore_errors=True)
+        shutil.rmtree(self.working_dir, ignore_errors=True)
+        for empty in (self.base / "checkpoints", self.base, self.base.parent):
+            with contextlib.suppress(OSError):
+                empty.rmdir()
+
+    def _tag(self, line: str) -> str:
+        return f"[rank {self.rank} {time.strftime('%H:%M:%S')}] {line}"
+
+
+def _pump(proc: subprocess.Popen[bytes], lines: queue.Queue[str | None]) -> None:
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        lines.put(raw.decode(errors="replace").rstrip("\r\n"))
+    lines.put(None)
+
+
+def _drain(lines: queue.Queue[str | None], wait: float = 0.1, max_lines: int = 1000) -> list:
+    """Block for the first line (up to `wait`), then take what else is ready."""
+    try:
+        batch = [lines.get(timeout=wait)]
+    except queue.Empty:
+        return []
+    while batch[-1] is not None and len(batch) < max_lines:
+        try:
+            batch.append(lines.get_nowait())
+        except queue.Empty:
+            break
+    return batch
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,92 @@
+"""`orchestrator view`: projects and jobs as tables, or one job in detail."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from orchestrator.cli.options import JobId, Project, StorageRootOption
+from orchestrator.cli.render import OutputFormat, console, print_json
+from orchestrator.client.api import get_job, list_jobs
+from orchestrator.client.jobs import JobHandle
+
+
+def view(
+    project: Project = None,
+    job_id: JobId = None,
+    storage_root: StorageRootOption = None,
+    output: Annotated[OutputFormat, typer.Option("-o", "--output")] = OutputFormat.text,
+) -> None:
+    """Show jobs (all, one project's, or one job in detail)."""
+    if job_id:
+        job = get_job(job_id, storage_root=storage_root)
+        if output is OutputFormat.json:
+            print_json(_job_detail(job))
+        else:
+            _print_detail(job)
+        return
+    jobs = list_jobs(project, storage_root=storage_root)
+    rows = [_job_row(j) for j in jobs]
+    if output is OutputFormat.json:
+        print_json(rows)
+        return
+    table = Table(title=f"jobs of {project}" if project else "jobs")
+    for column in ("job id", "project", "name", "status", "nodes", "created"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(r["id"], r["project"], r["name"] or "-", r["status"], str(r["nodes"]),
+                      r["created"])  # fmt: skip
+    console.print(table)
+
+
+def _when(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _job_row(job: JobHandle) -> dict:
+    r = job.record
+    return {
+        "id": job.id,
+        "project": r.project,
+        "name": r.job_name,
+        "status": job.status().value,
+        "nodes": r.spec.job.compute.node_count,
+        "created": _when(r.created_at),
+    }
+
+
+def _job_detail(job: JobHandle) -> dict:
+    details = job.details()
+    return {
+        **_job_row(job),
+        "team": job.record.team,
+        "storage_root": job.record.storage_root,
+        "ray_address": job.record.ray_address,
+        "history": [e.model_dump(mode="json") for e in details.history],
+        "failure": details.failure.model_dump(mode="json") if details.failure else None,
+        "nodes_detail": [n.model_dump(mode="json") for n in details.nodes],
+        "notices": job.record.notices,
+    }
+
+
+def _print_detail(job: JobHandle) -> None:
+    d = _job_detail(job)
+    table = Table(show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column()
+    for key in ("id", "project", "name", "team", "status", "created", "ray_address",
+                "storage_root"):  # fmt: skip
+        table.add_row(key, str(d[key] if d[key] is not None else "-"))
+    for event in d["history"]:
+        table.add_row("", f"{_when(event['at'])}  {event['state']}  {event['reason'] or ''}")
+    for node in d["nodes_detail"]:
+        table.add_row(f"rank {node['rank']}", f"{node['ip']} ({node['hostname']})")
+    if d["failure"]:
+        f = d["failure"]
+        table.add_row("cause", f["cause"])
+        if f["last_lines"]:
+            table.add_row("last lines", "\n".join(f["last_lines"][-10:]))
+    console.print(table)

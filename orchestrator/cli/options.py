@@ -1,0 +1,22 @@
+"""Options shared by several verbs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+Address = Annotated[
+    str | None,
+    typer.Option("--address", help="Ray dashboard (Job API) address; default: $RAY_ADDRESS, "
+                 "else an embedded local cluster"),
+]  # fmt: skip
+StorageRootOption = Annotated[
+    str | None,
+    typer.Option("--storage-root", help="fsspec URL of the storage root; default: "
+                 "$ORCHESTRATOR_STORAGE_ROOT, else ~/.orchestrator/storage"),
+]  # fmt: skip
+JobId = Annotated[
+    str | None, typer.Option("--job-id", help="Default: the most recent job (said so)")
+]
+Project = Annotated[str | None, typer.Option("--project", help="Project name")]

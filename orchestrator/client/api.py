@@ -1,0 +1,65 @@
+"""The Python API: `push` a config and get a handle; find jobs and projects later."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.client.connection import connect, storage
+from orchestrator.client.jobs import JobHandle
+from orchestrator.client.overrides import Overrides
+from orchestrator.client.prepare import prepare_job
+from orchestrator.client.submit import submit
+from orchestrator.errors import OrchestratorError
+from orchestrator.lifecycle import JobState
+from orchestrator.spec.training import TrainingProject
+from orchestrator.storage.job_store import JobStore
+
+
+def push(
+    config: str | Path | TrainingProject,
+    source_dir: str | Path | None = None,
+    *,
+    address: str | None = None,
+    storage_root: str | None = None,
+    overrides: Overrides | None = None,
+) -> JobHandle:
+    """Validate, package and submit a job. Nothing is created if the config is invalid."""
+    prepared = prepare_job(config, source_dir, overrides)
+    connection = connect(address)
+    store = JobStore(storage(storage_root))
+    record = submit(prepared, connection, store.root)
+    return JobHandle(store, record)
+
+
+def get_job(job_id: str, *, storage_root: str | None = None) -> JobHandle:
+    store = JobStore(storage(storage_root))
+    return JobHandle(store, store.record(job_id))
+
+
+def list_jobs(
+    project: str | None = None,
+    status: JobState | str | None = None,
+    *,
+    storage_root: str | None = None,
+) -> list[JobHandle]:
+    """Jobs, newest first, optionally of one project and in one state."""
+    store = JobStore(storage(storage_root))
+    handles = [JobHandle(store, r) for r in reversed(store.records())]
+    if project is not None:
+        handles = [h for h in handles if h.project == project]
+    if status is not None:
+        wanted = JobState(status.upper() if isinstance(status, str) else status)
+        handles = [h for h in handles if h.status() == wanted]
+    return handles
+
+
+def list_projects(*, storage_root: str | None = None) -> list[str]:
+    store = JobStore(storage(storage_root))
+    return sorted({r.project for r in store.records()})
+
+
+def latest_job(project: str | None = None, *, storage_root: str | None = None) -> JobHandle:
+    jobs = list_jobs(project, storage_root=storage_root)
+    if not jobs:
+        raise OrchestratorError("no jobs yet" + (f" in project {project!r}" if project else ""))
+    return jobs[0]

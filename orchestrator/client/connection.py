@@ -1,0 +1,46 @@
+"""Which Ray cluster and storage root a client talks to."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orchestrator.storage.root import StorageRoot, default_storage_root
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient
+
+
+@dataclass(frozen=True)
+class Connection:
+    """A Ray dashboard (Job API) address, and whether it is our embedded local cluster."""
+
+    address: str
+    embedded: bool
+
+    def client(self) -> JobSubmissionClient:
+        from ray.job_submission import JobSubmissionClient
+
+        if self.embedded:
+            from orchestrator.cluster.local import embedded_env
+
+            os.environ.update(embedded_env())
+        return JobSubmissionClient(self.address)
+
+
+def connect(address: str | None = None) -> Connection:
+    """`address`, else $RAY_ADDRESS, else the embedded local cluster (started if needed)."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        if "://" not in address:
+            address = f"http://{address}"
+        return Connection(address=address, embedded=False)
+    from orchestrator.cluster.local import LocalCluster
+
+    info = LocalCluster().ensure_running()
+    return Connection(address=info.dashboard_url, embedded=True)
+
+
+def storage(storage_root: str | None = None) -> StorageRoot:
+    return StorageRoot(storage_root or default_storage_root())

@@ -1,0 +1,128 @@
+"""Job handles: status, logs, wait and stop, read straight off the storage root."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from orchestrator.errors import OrchestratorError
+from orchestrator.lifecycle import JobState
+from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.logs import read_logs
+from orchestrator.storage.records import Failure, JobRecord, JobStatus
+
+POLL_S = 0.25
+
+
+class JobHandle:
+    """A pushed job. Works after the Ray cluster is gone (except `stop`)."""
+
+    def __init__(self, store: JobStore, record: JobRecord) -> None:
+        self._store = store
+        self.record = record
+
+    @property
+    def id(self) -> str:
+        return self.record.job_id
+
+    @property
+    def project(self) -> str:
+        return self.record.project
+
+    def __repr__(self) -> str:
+        return f"<TrainingJob {self.id} project={self.project!r} status={self.status().value}>"
+
+    def __getitem__(self, key: str) -> Any:
+        """Dict access as Baseten's `push` result: `["training_project"]`, `["training_job"]`."""
+        views = {
+            "training_project": {"id": self.project, "name": self.project},
+            "training_job": {
+                "id": self.id,
+                "name": self.record.job_name,
+                "current_status": self.status().value,
+                "training_project": {"id": self.project, "name": self.project},
+            },
+        }
+        return views[key]
+
+    def details(self) -> JobStatus:
+        """The stored status, reconciled with Ray if the controller died without a word."""
+        status = self._store.status(self.id)
+        if status.state.is_terminal or self.record.ray_address is None:
+            return status
+        ray_state = self._ray_job_state()
+        if ray_state in ("FAILED", "STOPPED", "SUCCEEDED"):
+            status = self._store.status(self.id)  # it may have just been written
+            if not status.state.is_terminal:
+                cause = f"the job's controller ended ({ray_state}) without recording an outcome"
+                failure = Failure(cause=cause)
+                new = JobState.STOPPED if ray_state == "STOPPED" else JobState.FAILED
+                status = status.moved_to(new, cause).model_copy(update={"failure": failure})
+                self._store.put_status(status)
+        return status
+
+    def status(self) -> JobState:
+        return self.details().state
+
+    def wait(self, timeout: float | None = None) -> JobState:
+        """Block until the job ends; TimeoutError after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = self.status()
+            if state.is_terminal:
+                return state
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.id} is still {state.value} after {timeout} s")
+            time.sleep(POLL_S)
+
+    def logs(self, follow: bool = False) -> list[str] | Iterator[str]:
+        """All stored lines; with `follow`, an iterator that ends when the job does."""
+        if not follow:
+            return read_logs(self._store.root, self.id)[0]
+        return self._follow()
+
+    def _follow(self) -> Iterator[str]:
+        cursor = -1
+        while True:
+            ended = self.status().is_terminal
+            lines, cursor = read_logs(self._store.root, self.id, cursor)
+            yield from lines
+            if ended:
+                return
+            time.sleep(POLL_S)
+
+    def stop(self, timeout: float = 90) -> JobState:
+        """Stop the job (SIGTERM to its commands, SIGKILL after a grace period) and wait."""
+        if self.status().is_terminal:
+            return self.status()
+        client = self._client()
+        try:
+            client.stop_job(self.id)
+        except Exception as e:
+            raise OrchestratorError(f"could not stop job {self.id}: {e}") from e
+        return self.wait(timeout)
+
+    def checkpoints(self) -> list[dict[str, Any]]:
+        raise OrchestratorError(
+            "listing checkpoints is not implemented yet: checkpoints stay in each node's "
+            "$BT_CHECKPOINT_DIR for now"
+        )
+
+    def _client(self) -> Any:
+        from orchestrator.client.connection import Connection
+
+        address = self.record.ray_address
+        if address is None:
+            raise OrchestratorError(f"job {self.id} was not submitted through the Job API")
+        return Connection(address=address, embedded=_is_loopback(address)).client()
+
+    def _ray_job_state(self) -> str | None:
+        try:
+            return str(self._client().get_job_status(self.id).value)
+        except Exception:
+            return None  # cluster unreachable: trust the stored status
+
+
+def _is_loopback(address: str) -> bool:
+    return "127.0.0.1" in address or "localhost" in address

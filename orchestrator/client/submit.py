@@ -1,0 +1,112 @@
+"""Submitting a prepared job: store its archive and record, then start its Ray job."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from orchestrator.client.connection import Connection
+from orchestrator.client.prepare import PreparedJob
+from orchestrator.client.workspace import write_archive
+from orchestrator.lifecycle import JobState
+from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus
+from orchestrator.storage.root import StorageRoot
+
+SCHEDULING_TIMEOUT_ENV = "ORCHESTRATOR_SCHEDULING_TIMEOUT_S"
+DEFAULT_SCHEDULING_TIMEOUT_S = 600.0
+# Ray's job supervisor SIGKILLs the entrypoint this long after SIGTERM; the controller needs
+# time to stop the commands gracefully and record STOPPED.
+STOP_WAIT_S = 60
+
+_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def new_job_id() -> str:
+    """Short, unique, safe in paths and Ray names: 'j' + 9 base-36 characters."""
+    return "j" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
+
+
+def scheduling_timeout() -> float:
+    return float(os.environ.get(SCHEDULING_TIMEOUT_ENV) or DEFAULT_SCHEDULING_TIMEOUT_S)
+
+
+def store_job(
+    prepared: PreparedJob,
+    root: StorageRoot,
+    job_id: str,
+    ray_address: str | None,
+    submitted_via: str = "push",
+) -> JobRecord:
+    """Upload the code archive (skipped if the same bytes are stored) and write the record."""
+    store = JobStore(root)
+    with tempfile.TemporaryDirectory(prefix="orchestrator-push-") as tmp:
+        info = write_archive(prepared.plan, Path(tmp) / "workspace.tar")
+        archive_path = store.put_archive(info.path, info.sha256)
+    project = prepared.project
+    record = JobRecord(
+        job_id=job_id,
+        project=project.name,
+        team=project.team_name,
+        job_name=project.job.name,
+        created_at=time.time(),
+        spec=project,
+        archive=ArchiveRef(
+            path=archive_path,
+            sha256=info.sha256,
+            size_bytes=info.size_bytes,
+            file_count=info.file_count,
+            config_dir=prepared.plan.config_relpath,
+        ),
+        storage_root=root.url,
+        ray_address=ray_address,
+        submitted_via=submitted_via,
+        notices=list(prepared.warnings),
+    )
+    store.create(record, JobStatus.new(job_id, "submitted"))
+    return record
+
+
+def controller_entrypoint(job_id: str, root: StorageRoot, embedded: bool) -> str:
+    # On the embedded cluster the controller runs on this machine: use this very interpreter,
+    # which has orchestrator installed. A remote cluster uses its own `python`.
+    python = sys.executable if embedded else "python"
+    return " ".join(
+        shlex.quote(part)
+        for part in (
+            python, "-m", "orchestrator.controller", "--job-id", job_id,
+            "--storage-root", root.url, "--scheduling-timeout", f"{scheduling_timeout():g}",
+        )
+    )  # fmt: skip
+
+
+def submit(prepared: PreparedJob, connection: Connection, root: StorageRoot) -> JobRecord:
+    """Store the job, then submit its Ray job (submission id = job id)."""
+    job_id = new_job_id()
+    record = store_job(prepared, root, job_id, connection.address)
+    image = prepared.project.job.image.base_image
+    try:
+        connection.client().submit_job(
+            entrypoint=controller_entrypoint(job_id, root, connection.embedded),
+            submission_id=job_id,
+            metadata={
+                "orchestrator_project": record.project,
+                "orchestrator_job_name": record.job_name or "",
+                "orchestrator_storage_root": root.url,
+                "base_image": image,
+            },
+            runtime_env={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}},
+            entrypoint_num_cpus=0,
+        )
+    except Exception as e:
+        store = JobStore(root)
+        failure = Failure(cause=f"submitting to Ray at {connection.address} failed: {e}")
+        status = store.status(job_id).moved_to(JobState.DEPLOY_FAILED, failure.cause)
+        store.put_status(status.model_copy(update={"failure": failure}))
+        raise
+    return record

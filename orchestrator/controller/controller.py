@@ -1,0 +1,281 @@
+"""Drives one job through its states: reserve nodes, prepare them, run, record how it ended.
+
+Runs as the entrypoint of the job's Ray job. Every transition is written to the storage root
+before the next step starts, so a reader (or a later controller) always sees the truth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator.agents.node_agent import NodeAgent
+from orchestrator.controller.environment import job_environment
+from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
+from orchestrator.lifecycle import JobState
+from orchestrator.spec.secrets import SecretReference
+from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.logs import LogWriter
+from orchestrator.storage.records import Failure, JobRecord, JobStatus, NodeInfo
+
+NAMESPACE = "orchestrator"
+POLL_S = 0.2
+STOP_GRACE_S = 10.0
+
+
+class JobStopped(Exception):
+    """A stop was requested (SIGTERM from `ray job stop` / `orchestrator stop`)."""
+
+
+class DeployFailed(Exception):
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.cause)
+        self.failure = failure
+
+
+@dataclass
+class _RankResult:
+    rank: int
+    result: dict[str, Any] | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class JobController:
+    def __init__(self, store: JobStore, job_id: str, scheduling_timeout_s: float) -> None:
+        self.store = store
+        self.record: JobRecord = store.record(job_id)
+        self.status: JobStatus = store.status(job_id)
+        self.scheduling_timeout_s = scheduling_timeout_s
+        self.logs = LogWriter(store.root, job_id)
+        self.stop_requested = threading.Event()
+        self.pg: PlacementGroup | None = None
+        self.agents: list[Any] = []
+
+    # --- state -----------------------------------------------------------------------------
+
+    def move(self, state: JobState, reason: str | None = None, **updates: Any) -> None:
+        self.status = self.status.moved_to(state, reason).model_copy(update=updates)
+        self.store.put_status(self.status)
+        self.say(f"{state.value}" + (f": {reason}" if reason else ""))
+
+    def say(self, message: str) -> None:
+        """A controller line, in the Ray job log and the stored logs."""
+        line = f"[orchestrator {time.strftime('%H:%M:%S')}] {message}"
+        print(line, flush=True)
+        self.logs.write([line])
+
+    def _check_stop(self) -> None:
+        if self.stop_requested.is_set():
+            raise JobStopped()
+
+    # --- the run ---------------------------------------------------------------------------
+
+    def run(self) -> JobState:
+        if self.status.state.is_terminal:
+            self.say(f"job already ended {self.status.state.value}; nothing to do")
+            return self.status.state
+        try:
+            self._reserve()
+            self._deploy()
+            self._run_commands()
+        except JobStopped:
+            self._stop_agents()
+            self.move(JobState.STOPPED, "stopped by user")
+        except DeployFailed as e:
+            self.move(JobState.DEPLOY_FAILED, e.failure.cause, failure=e.failure)
+        except Exception as e:  # a bug or an infrastructure failure: record it, never hang
+            failure = Failure(cause=f"controller error: {type(e).__name__}: {e}")
+            state = (
+                JobState.FAILED
+                if self.status.state == JobState.RUNNING
+                else (JobState.DEPLOY_FAILED)
+            )
+            self.move(state, failure.cause, failure=failure)
+        finally:
+            self._release()
+            self.logs.flush()
+        return self.status.state
+
+    def _reserve(self) -> None:
+        compute = self.record.spec.job.compute
+        bundles = bundles_for(compute)
+        self.pg = placement_group(
+            bundles, strategy=strategy_for(compute), name=f"orchestrator-{self.record.job_id}"
+        )
+        ready = self.pg.ready()
+        deadline = time.monotonic() + self.scheduling_timeout_s
+        reason = None
+        while True:
+            done, _ = ray.wait([ready], timeout=1.0 if reason is None else POLL_S * 5)
+            if done:
+                return
+            self._check_stop()
+            new_reason = describe_shortfall(bundles[0], len(bundles), ray.nodes())
+            if new_reason != reason:
+                reason = new_reason
+                self.move(JobState.PENDING, reason)
+            if time.monotonic() > deadline:
+                raise DeployFailed(
+                    Failure(
+                        cause=f"could not be scheduled within {self.scheduling_timeout_s:g} s: "
+                        f"{reason}"
+                    )
+                )
+
+    def _deploy(self) -> None:
+        self._check_stop()
+        compute = self.record.spec.job.compute
+        self.move(JobState.DEPLOYING, f"preparing {compute.node_count} node(s)")
+        bundle = bundles_for(compute)[0]
+        agent_cls = ray.remote(NodeAgent)
+        for rank in range(compute.node_count):
+            self.agents.append(
+                agent_cls.options(
+                    name=f"orchestrator-{self.record.job_id}-rank-{rank}",
+                    namespace=NAMESPACE,
+                    max_concurrency=4,
+                    num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0),
+                    memory=bundle["memory"],
+                    resources={k: v for k, v in bundle.items() if k.startswith("accelerator")},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=rank
+                    ),
+                ).remote(self.record.job_id, rank, self.record.storage_root)
+            )
+        job = self.record.spec.job
+        checkpoint_dir = job.runtime.checkpointing_config.checkpoint_path
+        secret_names = sorted({ref.name for ref in job.runtime.secret_references().values()})
+        archive = self.record.archive
+        refs = [
+            agent.prepare.remote(archive.path, archive.sha256, checkpoint_dir, secret_names)
+            for agent in self.agents
+        ]
+        infos = self._gather(refs, "preparing the node")
+        self.status = self.status.model_copy(update={"nodes": [NodeInfo(**i) for i in infos]})
+
+    def _gather(self, refs: list[Any], what: str) -> list[Any]:
+        pending = list(refs)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            self._check_stop()
+        try:
+            return ray.get(refs)
+        except Exception as e:
+            raise DeployFailed(Failure(cause=f"{what} failed: {_short_error(e)}")) from e
+
+    def _run_commands(self) -> None:
+        self._check_stop()
+        job = self.record.spec.job
+        nodes = self.status.nodes
+        secrets = {
+            var: ref.name
+            for var, ref in job.runtime.environment_variables.items()
+            if isinstance(ref, SecretReference)
+        }
+        results = [_RankResult(rank) for rank in range(len(self.agents))]
+        self.move(JobState.RUNNING, f"running {len(job.runtime.start_commands)} command(s)")
+        for node, agent, result in zip(nodes, self.agents, results, strict=False):
+            env = job_environment(self.record, node, nodes)
+            stream = agent.run_commands.options(num_returns="streaming").remote(
+                job.runtime.start_commands, env, secrets, _workdir(node, self.record)
+            )
+            threading.Thread(target=self._consume, args=(stream, result), daemon=True).start()
+        while not all(r.done.is_set() for r in results):
+            if self.stop_requested.is_set():
+                raise JobStopped()
+            failed = next((r for r in results if r.done.is_set() and _failed(r)), None)
+            if failed is not None:
+                break  # gang failure: one rank's failure ends the job
+            time.sleep(POLL_S)
+        self.logs.flush()
+        failed = next((r for r in results if r.done.is_set() and _failed(r)), None)
+        if failed is None:
+            self.move(JobState.COMPLETED, "all commands exited 0")
+            return
+        self._stop_agents()
+        self.move(JobState.FAILED, _failure_of(failed).cause, failure=_failure_of(failed))
+
+    def _consume(self, stream: Any, result: _RankResult) -> None:
+        try:
+            for ref in stream:
+                kind, payload = ray.get(ref)
+                if kind == "lines":
+                    sys.stdout.write("".join(line + "\n" for line in payload))
+                    sys.stdout.flush()
+                    self.logs.write(payload)
+                else:
+                    result.result = payload
+        except Exception as e:
+            result.error = e
+        finally:
+            result.done.set()
+
+    def _stop_agents(self) -> None:
+        refs = [agent.stop.remote(STOP_GRACE_S) for agent in self.agents]
+        try:
+            ray.get(refs, timeout=STOP_GRACE_S + 5)
+        except Exception as e:
+            self.say(f"stopping the commands: {_short_error(e)}")
+
+    def _release(self) -> None:
+        for agent in self.agents:
+            with contextlib.suppress(Exception):  # a dead node's scratch went with it
+                ray.get(agent.cleanup.remote(), timeout=10)
+            ray.kill(agent)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+
+
+def _failed(result: _RankResult) -> bool:
+    return result.error is not None or (result.result or {}).get("exit_code", 0) != 0
+
+
+def _failure_of(result: _RankResult) -> Failure:
+    if result.error is not None:
+        return Failure(cause=f"rank {result.rank} was lost: {_short_error(result.error)}",
+                       node_rank=result.rank)  # fmt: skip
+    r = result.result or {}
+    return Failure(
+        cause=f"rank {result.rank}: command exited with code {r['exit_code']}: {r['command']}",
+        exit_code=r["exit_code"],
+        command=r["command"],
+        node_rank=result.rank,
+        last_lines=r.get("last_lines", []),
+    )
+
+
+def _workdir(node: NodeInfo, record: JobRecord) -> str:
+    config_dir = record.archive.config_dir
+    assert node.working_dir is not None
+    return node.working_dir if config_dir in ("", ".") else f"{node.working_dir}/{config_dir}"
+
+
+def _short_error(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"
+
+
+def run_controller(job_id: str, storage_root: str, scheduling_timeout_s: float) -> int:
+    """Entrypoint body: connect to the cluster, run the job, exit 0 only if it completed."""
+    if not ray.is_initialized():
+        ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+    controller = JobController(JobStore(storage_root), job_id, scheduling_timeout_s)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        controller.stop_requested.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, on_sigterm)
+    final = controller.run()
+    return 0 if final == JobState.COMPLETED else 1

@@ -1,0 +1,45 @@
+"""The job lifecycle: states and the transitions allowed between them (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class JobState(str, enum.Enum):
+    CREATED = "CREATED"  # record and code archive stored; nothing reserved yet
+    PENDING = "PENDING"  # the placement group cannot be placed yet (reason recorded)
+    DEPLOYING = "DEPLOYING"  # nodes reserved and being prepared
+    RUNNING = "RUNNING"  # start_commands executing
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    DEPLOY_FAILED = "DEPLOY_FAILED"
+    STOPPED = "STOPPED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset(
+    {JobState.COMPLETED, JobState.FAILED, JobState.DEPLOY_FAILED, JobState.STOPPED}
+)
+
+_ENDINGS = {JobState.FAILED, JobState.STOPPED}
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.CREATED: frozenset(
+        {JobState.PENDING, JobState.DEPLOYING, JobState.DEPLOY_FAILED, *_ENDINGS}
+    ),
+    JobState.PENDING: frozenset({JobState.DEPLOYING, JobState.DEPLOY_FAILED, *_ENDINGS}),
+    JobState.DEPLOYING: frozenset({JobState.RUNNING, JobState.DEPLOY_FAILED, *_ENDINGS}),
+    JobState.RUNNING: frozenset({JobState.COMPLETED, *_ENDINGS}),
+    **{state: frozenset() for state in TERMINAL_STATES},
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A bug: the controller tried a transition the state machine does not allow."""
+
+
+def check_transition(current: JobState, new: JobState) -> None:
+    if new not in TRANSITIONS[current]:
+        raise IllegalTransition(f"a job cannot go from {current.value} to {new.value}")

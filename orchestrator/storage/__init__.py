@@ -1,0 +1,1 @@
+"""Storage: the one place anything durable lives, an fsspec-backed storage root. Knows no Ray."""

@@ -1,0 +1,37 @@
+"""Where things live under the storage root (kept in step with docs/architecture.md).
+
+archives/<sha256>.tar                 code archives, content-addressed (re-pushes upload nothing)
+jobs/<job_id>/record.json             JobRecord, written once at submission
+jobs/<job_id>/status.json             JobStatus, rewritten on every change
+jobs/<job_id>/logs/<seq>.log          log segments, tagged lines, in order
+"""
+
+from __future__ import annotations
+
+
+def archive(sha256: str) -> str:
+    return f"archives/{sha256}.tar"
+
+
+def jobs() -> str:
+    return "jobs"
+
+
+def job_dir(job_id: str) -> str:
+    return f"jobs/{job_id}"
+
+
+def record(job_id: str) -> str:
+    return f"jobs/{job_id}/record.json"
+
+
+def status(job_id: str) -> str:
+    return f"jobs/{job_id}/status.json"
+
+
+def logs_dir(job_id: str) -> str:
+    return f"jobs/{job_id}/logs"
+
+
+def log_segment(job_id: str, seq: int) -> str:
+    return f"jobs/{job_id}/logs/{seq:08d}.log"

@@ -1,0 +1,92 @@
+"""What is stored about a job: its record (written once) and its status (rewritten per change)."""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.lifecycle import JobState, check_transition
+from orchestrator.spec.training import TrainingProject
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # records written by newer versions stay readable
+
+
+class ArchiveRef(_Record):
+    path: str  # relative to the storage root
+    sha256: str
+    size_bytes: int
+    file_count: int
+    config_dir: str  # where config.py sits inside the archive ("." at the root)
+
+
+class JobRecord(_Record):
+    """The job as submitted. Secrets appear only as references (the spec never holds values)."""
+
+    job_id: str
+    project: str
+    team: str | None = None
+    job_name: str | None = None
+    created_at: float
+    spec: TrainingProject
+    archive: ArchiveRef
+    storage_root: str
+    ray_address: str | None = None
+    submitted_via: str = "push"  # push | ray-job-submit
+    notices: list[str] = Field(default_factory=list)
+
+
+class StatusEvent(_Record):
+    state: JobState
+    at: float
+    reason: str | None = None
+
+
+class Failure(_Record):
+    """Why a job ended badly, in the words a user needs to act on it."""
+
+    cause: str
+    exit_code: int | None = None
+    command: str | None = None
+    node_rank: int | None = None
+    last_lines: list[str] = Field(default_factory=list)
+
+
+class NodeInfo(_Record):
+    rank: int
+    node_id: str
+    ip: str
+    hostname: str
+    working_dir: str | None = None
+
+
+class JobStatus(_Record):
+    job_id: str
+    state: JobState
+    history: list[StatusEvent]
+    failure: Failure | None = None
+    nodes: list[NodeInfo] = Field(default_factory=list)
+
+    @classmethod
+    def new(cls, job_id: str, reason: str | None = None) -> JobStatus:
+        event = StatusEvent(state=JobState.CREATED, at=time.time(), reason=reason)
+        return cls(job_id=job_id, state=JobState.CREATED, history=[event])
+
+    @property
+    def updated_at(self) -> float:
+        return self.history[-1].at
+
+    @property
+    def reason(self) -> str | None:
+        return self.history[-1].reason
+
+    def moved_to(self, state: JobState, reason: str | None = None) -> JobStatus:
+        """A copy in `state`; raises IllegalTransition for a move the state machine forbids."""
+        if state == self.state:  # same state, new reason (e.g. a PENDING reason that changed)
+            history = [*self.history[:-1], self.history[-1].model_copy(update={"reason": reason})]
+        else:
+            check_transition(self.state, state)
+            history = [*self.history, StatusEvent(state=state, at=time.time(), reason=reason)]
+        return self.model_copy(update={"state": state, "history": history})

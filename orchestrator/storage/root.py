@@ -1,0 +1,88 @@
+"""A storage root: any fsspec URL (a local directory, s3://bucket/prefix, gs://bucket/prefix)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+STORAGE_ROOT_ENV = "ORCHESTRATOR_STORAGE_ROOT"
+
+
+def default_storage_root() -> str:
+    """$ORCHESTRATOR_STORAGE_ROOT, else a directory under the user's home."""
+    return os.environ.get(STORAGE_ROOT_ENV) or str(Path.home() / ".orchestrator" / "storage")
+
+
+class StorageRoot:
+    """Paths relative to the root; writes are all-or-nothing for readers."""
+
+    def __init__(self, url: str | os.PathLike[str]) -> None:
+        url = os.fspath(url)
+        if "://" not in url or url.startswith("file://"):
+            url = str(Path(url.removeprefix("file://")).expanduser().resolve())
+        self.url = url.rstrip("/")
+        self.fs, self._base = fsspec.core.url_to_fs(self.url)
+        self._base = self._base.rstrip("/")
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"StorageRoot({self.url!r})"
+
+    def path(self, rel: str) -> str:
+        return f"{self._base}/{rel.lstrip('/')}"
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        target = self.path(rel)
+        if self.is_local:  # object stores' puts are atomic already; a local file needs a rename
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            tmp = f"{target}.{uuid.uuid4().hex[:8]}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, target)
+        else:
+            self.fs.pipe_file(target, data)
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def write_json(self, rel: str, obj: Any) -> None:
+        self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def read_json(self, rel: str) -> Any:
+        return json.loads(self.read_bytes(rel))
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def list_names(self, rel: str) -> list[str]:
+        """Names directly under `rel` (files and directories); empty if it does not exist."""
+        try:
+            entries = self.fs.ls(self.path(rel), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def put_file(self, local: Path, rel: str) -> None:
+        target = self.path(rel)
+        if self.is_local:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            tmp = f"{target}.{uuid.uuid4().hex[:8]}.tmp"
+            self.fs.put_file(str(local), tmp)
+            os.replace(tmp, target)
+        else:
+            self.fs.put_file(str(local), target)
+
+    def get_file(self, rel: str, local: Path) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self.fs.get_file(self.path(rel), str(local))
+
+    def delete(self, rel: str, recursive: bool = False) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(rel), recursive=recursive)

@@ -1,0 +1,218 @@
+"""The embedded local Ray cluster, for real: one loopback-only cluster per module."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli.cmd_cluster import cluster_app
+from orchestrator.cluster.local import (
+    ORCHESTRATOR_HOME_ENV,
+    LocalCluster,
+    LocalClusterError,
+    LocalClusterInfo,
+    embedded_env,
+)
+
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("orchestrator-home")
+
+
+@pytest.fixture(scope="module")
+def cluster(home: Path) -> Iterator[LocalCluster]:
+    local = LocalCluster(home / "local-cluster")
+    temp_dir = None
+    try:
+        began = time.monotonic()
+        temp_dir = local.ensure_running(num_cpus=2).temp_dir
+        print(f"local cluster started in {time.monotonic() - began:.2f} s")
+        yield local
+    finally:
+        local.stop()
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)  # Ray's logs for this test cluster
+
+
+@pytest.fixture(scope="module")
+def info(cluster: LocalCluster) -> LocalClusterInfo:
+    running = cluster.status()
+    assert running is not None
+    return running
+
+
+def get_json(url: str) -> object:
+    with NO_PROXY.open(url, timeout=5) as response:
+        assert response.status == 200
+        return json.loads(response.read())
+
+
+def process_group(pid: int) -> list[psutil.Process]:
+    """The process and every other live process in its process group (and its descendants)."""
+    leader = psutil.Process(pid)
+    pgid = os.getpgid(pid)
+    members = {leader.pid: leader, **{c.pid: c for c in leader.children(recursive=True)}}
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                members[p.pid] = p
+        except (OSError, psutil.Error):
+            continue
+    return list(members.values())
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    living = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                living.append(p)
+        except psutil.Error:
+            continue
+    return living
+
+
+def wait_until_gone(processes: list[psutil.Process], timeout: float = 20) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive(processes)
+
+
+def test_cluster_answers_on_loopback_only(cluster: LocalCluster, info: LocalClusterInfo):
+    assert info.dashboard_url.startswith("http://127.0.0.1:")
+    assert info.gcs_address.startswith("127.0.0.1:")
+    assert get_json(info.dashboard_url + "/api/version")
+    assert isinstance(get_json(info.dashboard_url + "/api/jobs/"), list)
+    assert psutil.pid_exists(info.pid)
+    assert json.loads(cluster.state_file.read_text())["pid"] == info.pid
+
+    listening = [
+        (p.pid, conn.laddr.ip)
+        for p in process_group(info.pid)
+        for conn in p.net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN
+    ]
+    assert listening
+    exposed = [(pid, ip) for pid, ip in listening if ip not in ("127.0.0.1", "::ffff:127.0.0.1")]
+    assert not exposed, f"Ray processes listen beyond loopback: {exposed}"
+
+
+def test_ensure_running_reuses_the_cluster(cluster: LocalCluster, info: LocalClusterInfo):
+    began = time.monotonic()
+    again = cluster.ensure_running()
+    elapsed = time.monotonic() - began
+    print(f"local cluster reused in {elapsed * 1000:.1f} ms")
+    assert again == info
+    assert elapsed < 1
+    # A second handle on the same state dir (as the next CLI command would have) finds it too.
+    assert LocalCluster(cluster.state_dir).ensure_running() == info
+
+
+def test_start_refuses_a_second_cluster(cluster: LocalCluster, info: LocalClusterInfo):
+    with pytest.raises(LocalClusterError, match="already running"):
+        cluster.start()
+
+
+def test_job_submission_api_runs_a_job(info: LocalClusterInfo):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(info.dashboard_url)
+    # `python` in an entrypoint is the interpreter the cluster runs on, Ray included.
+    job_id = client.submit_job(entrypoint="python -c \"import ray; print('hi')\"")
+    deadline = time.monotonic() + 45
+    status = client.get_job_status(job_id)
+    while not status.is_terminal() and time.monotonic() < deadline:
+        time.sleep(0.2)
+        status = client.get_job_status(job_id)
+    assert status == JobStatus.SUCCEEDED, client.get_job_logs(job_id)
+    assert "hi" in client.get_job_logs(job_id)
+
+
+def test_cli_reports_the_running_cluster(
+    home: Path, info: LocalClusterInfo, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv(ORCHESTRATOR_HOME_ENV, str(home))
+    result = CliRunner().invoke(cluster_app, ["status"])
+    assert result.exit_code == 0, result.output
+    assert "running" in result.output and info.dashboard_url in result.output
+
+
+def test_concurrent_commands_share_one_cluster_that_outlives_them_and_stops(tmp_path: Path):
+    """Two processes racing to start get one cluster; it survives them; stop() ends it all."""
+    state_dir = tmp_path / "local-cluster"
+    script = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from orchestrator.cluster.local import LocalCluster
+        print(LocalCluster(Path({str(state_dir)!r})).ensure_running().pid)
+        """
+    )
+    racers = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    cluster = LocalCluster(state_dir)
+    try:
+        pids = {int(r.communicate(timeout=90)[0].strip()) for r in racers}
+        assert all(r.returncode == 0 for r in racers)
+        assert len(pids) == 1
+        info = cluster.status()
+        assert info is not None and info.pid in pids  # outlived the processes that started it
+        family = process_group(info.pid)
+        assert len(family) > 3  # gcs_server, raylet, dashboard, ...
+    finally:
+        began = time.monotonic()
+        stopped = cluster.stop()
+        print(f"local cluster stopped in {time.monotonic() - began:.2f} s")
+    assert stopped
+    if info.temp_dir:
+        shutil.rmtree(info.temp_dir, ignore_errors=True)
+    assert wait_until_gone(family) == []
+    assert cluster.status() is None
+    assert not cluster.state_file.exists()
+    assert cluster.stop() is False
+
+
+def test_status_clears_a_stale_state_file(tmp_path: Path):
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    dead_pid = int(finished.stdout)
+    cluster = LocalCluster(tmp_path)
+    cluster.state_file.write_text(
+        json.dumps(
+            {
+                "dashboard_url": "http://127.0.0.1:9",
+                "gcs_address": "127.0.0.1:9",
+                "pid": dead_pid,
+                "temp_dir": None,
+                "started_at": 0,
+            }
+        )
+    )
+    assert cluster.status() is None
+    assert not cluster.state_file.exists()
+    assert cluster.stop() is False
+
+
+def test_embedded_env_keeps_clients_on_loopback_without_tokens():
+    assert embedded_env() == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
