@@ -216,3 +216,12 @@ def test_status_clears_a_stale_state_file(tmp_path: Path):
 
 def test_embedded_env_keeps_clients_on_loopback_without_tokens():
     assert embedded_env() == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def test_a_failed_start_reports_rays_own_message_and_leaves_nothing(tmp_path: Path):
+    cluster = LocalCluster(tmp_path / "local-cluster")
+    with pytest.raises(LocalClusterError, match="exited with code") as failure:
+        cluster.ensure_running(resources={"CPU": 1}, timeout=30)  # Ray wants --num-cpus for CPU
+    assert "--num-cpus" in str(failure.value)  # the tail of ray-start.log
+    assert not cluster.state_file.exists()
+    assert cluster.status() is None

@@ -17,6 +17,10 @@ def _describe(info: LocalClusterInfo) -> str:
     return f"dashboard {info.dashboard_url}  gcs {info.gcs_address}  pid {info.pid}"
 
 
+def _say(line: str) -> None:
+    console.print(line, soft_wrap=True)  # one line, however narrow the terminal
+
+
 @cluster_app.command("start")
 def start(
     num_cpus: Annotated[int | None, typer.Option("--num-cpus", help="CPUs to offer")] = None,
@@ -26,21 +30,21 @@ def start(
     cluster = LocalCluster()
     running = cluster.status()
     if running is not None:
-        console.print(f"already running: {_describe(running)}")
+        _say(f"already running: {_describe(running)}")
         return
     began = time.monotonic()
     info = cluster.ensure_running(num_cpus=num_cpus, num_gpus=num_gpus)
-    console.print(f"started in {time.monotonic() - began:.1f} s: {_describe(info)}")
+    _say(f"started in {time.monotonic() - began:.1f} s: {_describe(info)}")
 
 
 @cluster_app.command("status")
 def status() -> None:
     """Show whether the local cluster is running, and where."""
     info = LocalCluster().status()
-    console.print(f"running: {_describe(info)}" if info else "not running")
+    _say(f"running: {_describe(info)}" if info else "not running")
 
 
 @cluster_app.command("stop")
 def stop() -> None:
     """Stop the local cluster and every Ray process it started."""
-    console.print("stopped" if LocalCluster().stop() else "not running")
+    _say("stopped" if LocalCluster().stop() else "not running")

@@ -18,6 +18,7 @@ from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus
 from orchestrator.storage.root import StorageRoot
 
+REMOTE_PYTHON_ENV = "ORCHESTRATOR_PYTHON"
 SCHEDULING_TIMEOUT_ENV = "ORCHESTRATOR_SCHEDULING_TIMEOUT_S"
 DEFAULT_SCHEDULING_TIMEOUT_S = 600.0
 # Ray's job supervisor SIGKILLs the entrypoint this long after SIGTERM; the controller needs
@@ -74,8 +75,8 @@ def store_job(
 
 def controller_entrypoint(job_id: str, root: StorageRoot, embedded: bool) -> str:
     # On the embedded cluster the controller runs on this machine: use this very interpreter,
-    # which has orchestrator installed. A remote cluster uses its own `python`.
-    python = sys.executable if embedded else "python"
+    # which has orchestrator installed. A remote cluster uses its own (or $ORCHESTRATOR_PYTHON).
+    python = sys.executable if embedded else os.environ.get(REMOTE_PYTHON_ENV, "python")
     return " ".join(
         shlex.quote(part)
         for part in (

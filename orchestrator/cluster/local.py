@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -165,8 +166,8 @@ class LocalCluster:
             except _PortTakenError:
                 if attempt == _START_ATTEMPTS or time.monotonic() >= deadline:
                     raise LocalClusterError(
-                        "could not start the local Ray cluster: its ports were taken "
-                        f"{_START_ATTEMPTS} times in a row. Log tail:\n{self._log_tail()}"
+                        f"could not start the local Ray cluster: other programs took its ports "
+                        f"({attempt} attempts); try again. Log tail:\n{self._log_tail()}"
                     ) from None
         raise AssertionError("unreachable")
 
@@ -186,7 +187,7 @@ class LocalCluster:
         # Job entrypoints are shell commands: let their `python` be this (Ray-equipped) one.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         with open(self.log_file, "wb") as log:
-            log.write(f"$ {subprocess.list2cmdline(command)}\n".encode())
+            log.write(f"$ {shlex.join(command)}\n".encode())
             log.flush()
             process = subprocess.Popen(
                 command,

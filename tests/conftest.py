@@ -1,0 +1,52 @@
+"""Shared fixtures: one embedded local Ray cluster for the session, private to the tests."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cluster.local import ORCHESTRATOR_HOME_ENV, LocalCluster, LocalClusterInfo
+
+
+@pytest.fixture(scope="session")
+def orchestrator_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private ORCHESTRATOR_HOME, so tests never touch the user's cluster or records."""
+    home = tmp_path_factory.mktemp("orchestrator-home")
+    os.environ.pop("RAY_ADDRESS", None)  # never a developer's own cluster
+    old = os.environ.get(ORCHESTRATOR_HOME_ENV)
+    os.environ[ORCHESTRATOR_HOME_ENV] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop(ORCHESTRATOR_HOME_ENV, None)
+    else:
+        os.environ[ORCHESTRATOR_HOME_ENV] = old
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(orchestrator_home: Path) -> Iterator[LocalClusterInfo]:
+    """The embedded cluster `push` finds through ORCHESTRATOR_HOME (started once, stopped at end)."""
+    cluster = LocalCluster()
+    info = cluster.ensure_running()
+    try:
+        yield info
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def storage_root(tmp_path: Path) -> str:
+    return str(tmp_path / "storage")
+
+
+def make_job(directory: Path, config_body: str, files: dict[str, str] | None = None) -> Path:
+    """Write a job directory: config.py (dedented) plus any other files; returns config.py."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in (files or {}).items():
+        (directory / name).write_text(textwrap.dedent(text))
+    config = directory / "config.py"
+    config.write_text(textwrap.dedent(config_body))
+    return config

@@ -1,0 +1,223 @@
+"""Jobs on a real local Ray: the lifecycle a user sees through the Python API."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import make_job
+from ray.job_submission import JobSubmissionClient
+from ray.util.state import list_placement_groups
+
+from orchestrator import ConfigError
+from orchestrator.client.api import get_job, list_jobs, list_projects, push
+from orchestrator.client.jobs import JobHandle
+from orchestrator.lifecycle import JobState
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+CPU_JOB = """
+from orchestrator import definitions as d
+project = d.TrainingProject(
+    name="{project}",
+    job=d.TrainingJob(
+        image=d.Image(base_image="python:3.11"),
+        name="{name}",
+        compute=d.Compute(cpu_count={cpus}, memory="512Mi"),
+        runtime=d.Runtime(
+            start_commands={commands!r},
+            environment_variables={{"GREETING": "hello from config"}},
+            checkpointing_config=d.CheckpointingConfig(enabled=True),
+        ),
+    ),
+)
+"""
+
+
+def cpu_job(directory: Path, commands: list[str], files: dict[str, str] | None = None,
+            project: str = "tests", name: str = "job", cpus: int = 1) -> Path:  # fmt: skip
+    body = CPU_JOB.format(project=project, name=name, cpus=cpus, commands=commands)
+    return make_job(directory, body, files)
+
+
+def wait_for(job: JobHandle, predicate, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; job is {job.status().value}")
+        time.sleep(0.2)
+
+
+CHECK_ENV = """
+import json, os, pathlib
+keys = ["BT_TRAINING_JOB_ID", "BT_TRAINING_JOB_NAME", "BT_TRAINING_PROJECT_ID",
+        "BT_TRAINING_PROJECT_NAME", "BT_NUM_GPUS", "BT_WORKING_DIR", "BT_SCRATCH_DIR",
+        "BT_RETRY_COUNT", "BT_GROUP_SIZE", "BT_NODE_RANK", "BT_LEADER_ADDR",
+        "BT_CHECKPOINT_DIR", "GREETING"]
+env = {k: os.environ.get(k) for k in keys}
+assert pathlib.Path(env["BT_SCRATCH_DIR"]).is_dir(), "scratch dir missing"
+assert pathlib.Path(env["BT_CHECKPOINT_DIR"]).is_dir(), "checkpoint dir missing"
+assert os.getcwd() == env["BT_WORKING_DIR"], (os.getcwd(), env["BT_WORKING_DIR"])
+assert pathlib.Path("check_env.py").is_file(), "the workspace was not unpacked"
+print("ENV " + json.dumps(env))
+"""
+
+
+def test_job_completes_with_the_env_contract(tmp_path, storage_root):
+    config = cpu_job(tmp_path / "job", ["python check_env.py", "echo second command ran"],
+                     {"check_env.py": CHECK_ENV}, project="env-contract", name="contract")  # fmt: skip
+    job = push(config, storage_root=storage_root)
+    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+    lines = job.logs()
+    env = json.loads(next(line for line in lines if "ENV {" in line).split("ENV ", 1)[1])
+    assert env["BT_TRAINING_JOB_ID"] == job.id
+    assert env["BT_TRAINING_JOB_NAME"] == "contract"
+    assert env["BT_TRAINING_PROJECT_NAME"] == env["BT_TRAINING_PROJECT_ID"] == "env-contract"
+    assert (env["BT_NUM_GPUS"], env["BT_GROUP_SIZE"], env["BT_NODE_RANK"]) == ("0", "1", "0")
+    assert env["BT_RETRY_COUNT"] == "0" and env["BT_LEADER_ADDR"]
+    assert env["GREETING"] == "hello from config"
+    assert any(line.endswith("second command ran") for line in lines)
+    assert any(line.startswith("[rank 0 ") for line in lines)
+    history = [e.state for e in job.details().history]
+    assert history == [JobState.CREATED, JobState.DEPLOYING, JobState.RUNNING, JobState.COMPLETED]
+    assert not Path(env["BT_SCRATCH_DIR"]).exists(), "scratch must be deleted when the job ends"
+
+
+def test_failing_command_records_exit_code_command_and_last_lines(tmp_path, storage_root):
+    config = cpu_job(
+        tmp_path / "job",
+        ["echo preparing", "python fail.py", "echo must not run"],
+        {"fail.py": "import sys\nprint('about to fail')\nsys.exit(3)\n"},
+    )
+    job = push(config, storage_root=storage_root)
+    assert job.wait(timeout=120) == JobState.FAILED
+    failure = job.details().failure
+    assert failure is not None
+    assert failure.exit_code == 3 and failure.command == "python fail.py"
+    assert failure.node_rank == 0
+    assert failure.last_lines[-1] == "about to fail"
+    assert "exited with code 3" in failure.cause
+    assert not any("must not run" in line for line in job.logs())
+
+
+SLEEPER = """
+import os, time
+print(f"PID {os.getpid()}", flush=True)
+while True:
+    print("still training", flush=True)
+    time.sleep(0.5)
+"""
+
+
+def test_stop_ends_the_processes_and_removes_the_placement_group(
+    tmp_path, storage_root, ray_cluster
+):
+    config = cpu_job(tmp_path / "job", ["python sleeper.py"], {"sleeper.py": SLEEPER})
+    job = push(config, storage_root=storage_root)
+    wait_for(job, lambda: any("PID " in line for line in job.logs()), "the job's first line")
+    pid = int(next(line for line in job.logs() if "PID " in line).rsplit(" ", 1)[1])
+    assert psutil.pid_exists(pid)
+    assert job.status() == JobState.RUNNING
+
+    assert job.stop() == JobState.STOPPED
+
+    deadline = time.monotonic() + 20
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the training process outlived stop"
+        time.sleep(0.2)
+    groups = list_placement_groups(address=ray_cluster.dashboard_url, detail=True)
+    ours = [g for g in groups if g.name == f"orchestrator-{job.id}"]
+    assert ours and all(g.state == "REMOVED" for g in ours)
+    assert job.details().history[-1].reason == "stopped by user"
+
+
+def test_unschedulable_job_is_pending_with_a_reason_then_deploy_failed(
+    tmp_path, storage_root, monkeypatch
+):
+    monkeypatch.setenv("ORCHESTRATOR_SCHEDULING_TIMEOUT_S", "4")
+    config = cpu_job(tmp_path / "job", ["echo never"], cpus=64)
+    job = push(config, storage_root=storage_root)
+    wait_for(job, lambda: job.status() != JobState.CREATED, "the job to leave CREATED")
+    assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
+    pending = [e for e in job.details().history if e.state == JobState.PENDING]
+    assert pending and "needs 1 node with CPU 64" in pending[0].reason
+    failure = job.details().failure
+    assert failure is not None and "could not be scheduled within 4 s" in failure.cause
+    assert "CPU 64" in failure.cause
+
+
+def test_missing_secret_fails_the_deploy_naming_it(tmp_path, storage_root):
+    config = make_job(
+        tmp_path / "job",
+        """
+        from orchestrator import definitions as d
+        project = d.TrainingProject(
+            name="tests",
+            job=d.TrainingJob(
+                image=d.Image(base_image="x"),
+                compute=d.Compute(memory="256Mi"),
+                runtime=d.Runtime(
+                    start_commands=["echo never"],
+                    environment_variables={"TOKEN": d.SecretReference(name="no_such_secret")},
+                ),
+            ),
+        )
+        """,
+    )
+    job = push(config, storage_root=storage_root)
+    assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
+    assert "no_such_secret" in job.details().failure.cause
+
+
+def test_python_api_handles(tmp_path, storage_root):
+    config = cpu_job(tmp_path / "job", ["echo api"], project="api-project", name="api-job")
+    job = push(config, storage_root=storage_root)
+    assert job.project == "api-project"
+    assert job["training_project"]["name"] == "api-project"
+    assert job["training_job"]["id"] == job.id
+    job.wait(timeout=60)
+    assert repr(job) == f"<TrainingJob {job.id} project='api-project' status=COMPLETED>"
+    again = get_job(job.id, storage_root=storage_root)
+    assert again.logs() == job.logs()
+    assert [j.id for j in list_jobs("api-project", storage_root=storage_root)] == [job.id]
+    assert list_jobs(status="failed", storage_root=storage_root) == []
+    assert list_projects(storage_root=storage_root) == ["api-project"]
+
+
+def test_wait_times_out_with_a_clear_error(tmp_path, storage_root):
+    config = cpu_job(tmp_path / "job", ["python sleeper.py"], {"sleeper.py": SLEEPER})
+    job = push(config, storage_root=storage_root)
+    with pytest.raises(TimeoutError, match=f"job {job.id} is still"):
+        job.wait(timeout=0.5)
+    assert job.stop() == JobState.STOPPED
+
+
+def test_invalid_config_creates_nothing(tmp_path, storage_root, ray_cluster):
+    client = JobSubmissionClient(ray_cluster.dashboard_url)
+    before = len(client.list_jobs())
+    config = make_job(
+        tmp_path / "bad",
+        """
+        from orchestrator import definitions as d
+        project = d.TrainingProject(name="p", job=d.TrainingJob(image=d.Image(base_image="x")))
+        project.job.compute.node_count = 0
+        """,
+    )
+    with pytest.raises(ConfigError, match="Compute.node_count"):
+        push(config, storage_root=storage_root)
+    assert not Path(storage_root).exists()
+    assert len(client.list_jobs()) == before
+
+
+def test_ray_job_metadata_names_the_job_and_holds_no_spec(tmp_path, storage_root, ray_cluster):
+    config = cpu_job(tmp_path / "job", ["echo meta"], project="meta-project", name="meta-job")
+    job = push(config, storage_root=storage_root)
+    info = JobSubmissionClient(ray_cluster.dashboard_url).get_job_info(job.id)
+    assert info.submission_id == job.id
+    assert info.metadata["orchestrator_project"] == "meta-project"
+    assert info.metadata["orchestrator_job_name"] == "meta-job"
+    assert "orchestrator.controller" in info.entrypoint
+    job.wait(timeout=60)

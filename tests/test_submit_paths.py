@@ -1,0 +1,82 @@
+"""The other ways in: `ray job submit`, the CLI's push --tail, and logs once the cluster is gone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import make_job
+
+from orchestrator.client.api import get_job, push
+from orchestrator.cluster.local import LocalCluster, embedded_env
+from orchestrator.lifecycle import JobState
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).parent / "ray")
+
+HELLO = """
+from truss_train import definitions
+project = definitions.TrainingProject(
+    name="submitted",
+    job=definitions.TrainingJob(
+        image=definitions.Image(base_image="python:3.11"),
+        compute=definitions.Compute(memory="256Mi"),
+        runtime=definitions.Runtime(start_commands=["python hello.py"]),
+    ),
+)
+"""
+
+
+def test_ray_job_submit_runs_the_job_inside_that_ray_job(tmp_path, storage_root, ray_cluster):
+    config = make_job(tmp_path / "job", HELLO, {"hello.py": "print('hello via ray job submit')\n"})
+    result = subprocess.run(
+        [RAY, "job", "submit", "--address", ray_cluster.dashboard_url,
+         "--submission-id", "viaray1", "--working-dir", str(config.parent), "--",
+         "python", "-m", "orchestrator", "run", "config.py", "--storage-root", storage_root],
+        capture_output=True, text=True, timeout=180, env={**os.environ, **embedded_env()},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "hello via ray job submit" in result.stdout  # the Ray job's own log shows our lines
+    job = get_job("viaray1", storage_root=storage_root)
+    assert job.record.submitted_via == "ray-job-submit"
+    assert job.status() == JobState.COMPLETED
+    assert any(line.endswith("hello via ray job submit") for line in job.logs())
+    states = [e.state for e in job.details().history]
+    assert states == [JobState.CREATED, JobState.DEPLOYING, JobState.RUNNING, JobState.COMPLETED]
+
+
+def test_cli_push_tail_runs_the_mnist_recipe_to_completed(storage_root, ray_cluster):
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "push", str(REPO / "recipes/mnist-pytorch/config.py"),
+         "--tail", "--storage-root", storage_root],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "final test accuracy: 0.9" in result.stdout
+    assert "completed successfully" in result.stdout
+    accuracy = float(result.stdout.split("final test accuracy: ")[1].split()[0])
+    assert accuracy >= 0.9
+
+
+def test_logs_are_readable_after_the_cluster_is_gone(tmp_path, storage_root):
+    cluster = LocalCluster(state_dir=tmp_path / "short-lived-cluster")
+    info = cluster.start()
+    try:
+        config = make_job(tmp_path / "job", HELLO, {"hello.py": "print('kept after shutdown')\n"})
+        job = push(config, address=info.dashboard_url, storage_root=storage_root)
+        assert job.wait(timeout=120) == JobState.COMPLETED
+    finally:
+        cluster.stop()
+    assert cluster.status() is None
+    again = get_job(job.id, storage_root=storage_root)
+    assert again.status() == JobState.COMPLETED
+    assert any(line.endswith("kept after shutdown") for line in again.logs())
+    cli = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "logs", "--job-id", job.id,
+         "--storage-root", storage_root],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert "kept after shutdown" in cli.stdout
