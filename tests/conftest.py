@@ -28,7 +28,7 @@ def orchestrator_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
 
 @pytest.fixture(scope="session")
 def ray_cluster(orchestrator_home: Path) -> Iterator[LocalClusterInfo]:
-    """The embedded cluster `push` finds through ORCHESTRATOR_HOME (started once, stopped at end)."""
+    """The embedded cluster `push` finds via ORCHESTRATOR_HOME: started once, stopped at end."""
     cluster = LocalCluster()
     info = cluster.ensure_running()
     try:

@@ -67,8 +67,9 @@ print("ENV " + json.dumps(env))
 
 
 def test_job_completes_with_the_env_contract(tmp_path, storage_root):
-    config = cpu_job(tmp_path / "job", ["python check_env.py", "echo second command ran"],
-                     {"check_env.py": CHECK_ENV}, project="env-contract", name="contract")  # fmt: skip
+    commands = ["python check_env.py", "echo second command ran"]
+    files = {"check_env.py": CHECK_ENV}
+    config = cpu_job(tmp_path / "job", commands, files, project="env-contract", name="contract")
     job = push(config, storage_root=storage_root)
     assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
     lines = job.logs()
@@ -206,7 +207,7 @@ def test_invalid_config_creates_nothing(tmp_path, storage_root, ray_cluster):
         project.job.compute.node_count = 0
         """,
     )
-    with pytest.raises(ConfigError, match="Compute.node_count"):
+    with pytest.raises(ConfigError, match=r"Compute\.node_count"):
         push(config, storage_root=storage_root)
     assert not Path(storage_root).exists()
     assert len(client.list_jobs()) == before

@@ -13,7 +13,7 @@ from orchestrator.client.api import get_job, push
 from orchestrator.cluster.local import LocalCluster, embedded_env
 from orchestrator.lifecycle import JobState
 
-REPO = Path(__file__).resolve().parents[1]
+MNIST = Path(__file__).resolve().parents[1] / "recipes" / "mnist-pytorch" / "config.py"
 RAY = str(Path(sys.executable).parent / "ray")
 
 HELLO = """
@@ -49,8 +49,8 @@ def test_ray_job_submit_runs_the_job_inside_that_ray_job(tmp_path, storage_root,
 
 def test_cli_push_tail_runs_the_mnist_recipe_to_completed(storage_root, ray_cluster):
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "push", str(REPO / "recipes/mnist-pytorch/config.py"),
-         "--tail", "--storage-root", storage_root],
+        [sys.executable, "-m", "orchestrator", "push", str(MNIST), "--tail",
+         "--storage-root", storage_root],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
