@@ -21,6 +21,7 @@ class JobHandle:
     def __init__(self, store: JobStore, record: JobRecord) -> None:
         self._store = store
         self.record = record
+        self._ray_client: Any = None
 
     @property
     def id(self) -> str:
@@ -115,7 +116,9 @@ class JobHandle:
         address = self.record.ray_address
         if address is None:
             raise OrchestratorError(f"job {self.id} was not submitted through the Job API")
-        return Connection(address=address, embedded=_is_loopback(address)).client()
+        if self._ray_client is None:
+            self._ray_client = Connection(address=address, embedded=_is_loopback(address)).client()
+        return self._ray_client
 
     def _ray_job_state(self) -> str | None:
         try:

@@ -7,6 +7,7 @@ before the next step starts, so a reader (or a later controller) always sees the
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from orchestrator.storage.logs import LogWriter
 from orchestrator.storage.records import Failure, JobRecord, JobStatus, NodeInfo
 
 NAMESPACE = "orchestrator"
+IMAGE_URI_ENV = "ORCHESTRATOR_USE_IMAGE_URI"
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
 
@@ -84,6 +86,7 @@ class JobController:
         if self.status.state.is_terminal:
             self.say(f"job already ended {self.status.state.value}; nothing to do")
             return self.status.state
+        self.say(self._image_notice())
         try:
             self._reserve()
             self._deploy()
@@ -103,8 +106,17 @@ class JobController:
             self.move(state, failure.cause, failure=failure)
         finally:
             self._release()
-            self.logs.flush()
+            self.logs.close()
         return self.status.state
+
+    def _image_notice(self) -> str:
+        image = self.record.spec.job.image.base_image
+        if use_image_uri():
+            return f"image {image}: each node runs the job in that container (Ray image_uri)"
+        return (
+            f"image {image} is recorded; this cluster runs jobs in each node's own environment "
+            f"(set {IMAGE_URI_ENV}=1 on a cluster with a container runtime to use it)"
+        )
 
     def _reserve(self) -> None:
         compute = self.record.spec.job.compute
@@ -138,6 +150,8 @@ class JobController:
         self.move(JobState.DEPLOYING, f"preparing {compute.node_count} node(s)")
         bundle = bundles_for(compute)[0]
         agent_cls = ray.remote(NodeAgent)
+        image = self.record.spec.job.image.base_image
+        runtime_env = {"image_uri": image} if use_image_uri() else None
         for rank in range(compute.node_count):
             self.agents.append(
                 agent_cls.options(
@@ -151,6 +165,7 @@ class JobController:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=rank
                     ),
+                    runtime_env=runtime_env,
                 ).remote(self.record.job_id, rank, self.record.storage_root)
             )
         job = self.record.spec.job
@@ -235,6 +250,11 @@ class JobController:
             ray.kill(agent)
         if self.pg is not None:
             remove_placement_group(self.pg)
+
+
+def use_image_uri() -> bool:
+    """Run agents in the job's base image (a cluster with podman/docker for Ray's image_uri)."""
+    return os.environ.get(IMAGE_URI_ENV, "") not in ("", "0", "false")
 
 
 def _failed(result: _RankResult) -> bool:

@@ -10,15 +10,23 @@ from orchestrator.storage.root import StorageRoot
 
 
 class LogWriter:
-    """Buffers tagged lines and writes them as a new segment at most every `interval` seconds."""
+    """Buffers tagged lines and writes them as a new segment at most every `interval` seconds.
+
+    A background thread flushes what is buffered, so a line followed by silence still lands.
+    """
 
     def __init__(self, root: StorageRoot, job_id: str, interval: float = 0.25) -> None:
         self._root, self._job_id, self._interval = root, job_id, interval
         existing = root.list_names(layout.logs_dir(job_id))
-        self._seq = max((int(n.split(".")[0]) for n in existing), default=-1) + 1
+        self._seq = max((int(n.split(".")[0]) for n in existing if n.endswith(".log")), default=-1)
+        self._seq += 1
         self._buffer: list[str] = []
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # segments are numbered and written in order
         self._last_flush = 0.0
+        self._closed = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_periodically, daemon=True)
+        self._flusher.start()
 
     def write(self, lines: list[str]) -> None:
         with self._lock:
@@ -27,14 +35,24 @@ class LogWriter:
             self.flush()
 
     def flush(self) -> None:
-        with self._lock:
-            if not self._buffer:
-                return
-            data = "".join(line + "\n" for line in self._buffer).encode()
-            self._buffer.clear()
-            seq, self._seq = self._seq, self._seq + 1
-            self._last_flush = time.monotonic()
+        with self._write_lock:
+            with self._lock:
+                if not self._buffer:
+                    return
+                data = "".join(line + "\n" for line in self._buffer).encode()
+                self._buffer.clear()
+                seq, self._seq = self._seq, self._seq + 1
+                self._last_flush = time.monotonic()
             self._root.write_bytes(layout.log_segment(self._job_id, seq), data)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._flusher.join(timeout=5)
+        self.flush()
+
+    def _flush_periodically(self) -> None:
+        while not self._closed.wait(self._interval):
+            self.flush()
 
 
 def read_logs(root: StorageRoot, job_id: str, after: int = -1) -> tuple[list[str], int]:
@@ -46,8 +64,7 @@ def read_logs(root: StorageRoot, job_id: str, after: int = -1) -> tuple[list[str
         seq = int(name.split(".")[0])
         if seq <= after:
             continue
-        lines += (
-            root.read_bytes(layout.log_segment(job_id, seq)).decode(errors="replace").splitlines()
-        )
+        data = root.read_bytes(layout.log_segment(job_id, seq))
+        lines += data.decode(errors="replace").splitlines()
         last = seq
     return lines, last

@@ -1,0 +1,78 @@
+"""The job verbs of the CLI against a real local Ray: view, logs, stop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import make_job
+
+from orchestrator.client.api import get_job
+from orchestrator.lifecycle import JobState
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+SLEEPY = """
+from orchestrator import definitions as d
+project = d.TrainingProject(
+    name="cli-project",
+    job=d.TrainingJob(
+        image=d.Image(base_image="python:3.11"),
+        name="sleepy",
+        compute=d.Compute(memory="256Mi"),
+        runtime=d.Runtime(start_commands=["python -u sleepy.py"]),
+    ),
+)
+"""
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+
+
+def test_push_view_logs_and_stop_the_most_recent_job(tmp_path, storage_root):
+    config = make_job(
+        tmp_path / "job", SLEEPY, {"sleepy.py": "import time\nprint('up')\ntime.sleep(600)\n"}
+    )
+    pushed = cli("push", str(config), "--storage-root", storage_root, "-o", "json")
+    assert pushed.returncode == 0, pushed.stderr
+    job_id = json.loads(pushed.stdout)["training_job"]["id"]
+    job = get_job(job_id, storage_root=storage_root)
+
+    deadline = time.monotonic() + 60
+    while not any(line.endswith("] up") for line in job.logs()):
+        assert time.monotonic() < deadline, job.logs()
+        time.sleep(0.2)
+
+    rows = json.loads(cli("view", "--storage-root", storage_root, "-o", "json").stdout)
+    assert [(r["id"], r["project"], r["status"]) for r in rows] == [
+        (job_id, "cli-project", "RUNNING")
+    ]
+    detail = json.loads(cli("view", "--job-id", job_id, "--storage-root", storage_root,
+                            "-o", "json").stdout)  # fmt: skip
+    assert [e["state"] for e in detail["history"]] == ["CREATED", "DEPLOYING", "RUNNING"]
+    assert detail["nodes_detail"][0]["rank"] == 0
+
+    logs = cli("logs", "--storage-root", storage_root)
+    assert f"using the most recent job, {job_id}" in logs.stdout
+    assert "] up" in logs.stdout
+
+    stopped = cli("stop", "--storage-root", storage_root)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "stopped by user" in stopped.stdout
+    assert job.status() == JobState.STOPPED
+    again = cli("stop", "--job-id", job_id, "--storage-root", storage_root)
+    assert "already ended: STOPPED" in again.stdout
+
+
+def test_job_verbs_with_no_jobs_say_so(storage_root):
+    result = cli("logs", "--storage-root", storage_root)
+    assert result.returncode == 1 and "no jobs yet" in result.stderr
+    missing = cli("view", "--job-id", "jnope", "--storage-root", storage_root)
+    assert missing.returncode == 1 and "no job 'jnope'" in missing.stderr
