@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from moto.server import ThreadedMotoServer
 
 from orchestrator.cluster.local import ORCHESTRATOR_HOME_ENV, LocalCluster, LocalClusterInfo
 
@@ -27,7 +28,26 @@ def orchestrator_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(orchestrator_home: Path) -> Iterator[LocalClusterInfo]:
+def s3_server() -> Iterator[str]:
+    """A real S3 server (moto) on loopback; s3fs finds it through AWS_ENDPOINT_URL.
+
+    Started before the Ray cluster, so jobs' controllers and agents inherit the variables.
+    """
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing"
+    )
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(orchestrator_home: Path, s3_server: str) -> Iterator[LocalClusterInfo]:
     """The embedded cluster `push` finds via ORCHESTRATOR_HOME: started once, stopped at end."""
     cluster = LocalCluster()
     info = cluster.ensure_running()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 from conftest import make_job
 from ray.job_submission import JobSubmissionClient
-from ray.util.state import list_placement_groups
+from ray.util.state import list_actors, list_placement_groups
 
 from orchestrator import ConfigError
 from orchestrator.client.api import get_job, list_jobs, list_projects, push
@@ -132,6 +133,9 @@ def test_stop_ends_the_processes_and_removes_the_placement_group(
     groups = list_placement_groups(address=ray_cluster.dashboard_url, detail=True)
     ours = [g for g in groups if g.name == f"orchestrator-{job.id}"]
     assert ours and all(g.state == "REMOVED" for g in ours)
+    agents = list_actors(address=ray_cluster.dashboard_url, detail=True)
+    ours = [a for a in agents if a.name == f"orchestrator-{job.id}-rank-0"]
+    assert ours and all(a.state == "DEAD" for a in ours)
     assert job.details().history[-1].reason == "stopped by user"
 
 
@@ -222,3 +226,18 @@ def test_ray_job_metadata_names_the_job_and_holds_no_spec(tmp_path, storage_root
     assert info.metadata["orchestrator_job_name"] == "meta-job"
     assert "orchestrator.controller" in info.entrypoint
     job.wait(timeout=60)
+
+
+def test_job_on_an_s3_storage_root(tmp_path, s3_server):
+    import s3fs
+
+    bucket = f"jobs-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem().mkdir(bucket)
+    root = f"s3://{bucket}/orchestrator"
+    config = cpu_job(tmp_path / "job", ["python hello.py"], {"hello.py": "print('from s3')\n"})
+    job = push(config, storage_root=root)
+    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+    assert any(line.endswith("from s3") for line in get_job(job.id, storage_root=root).logs())
+    keys = s3fs.S3FileSystem().find(f"{bucket}/orchestrator")
+    assert f"{bucket}/orchestrator/jobs/{job.id}/record.json" in keys
+    assert any(k.startswith(f"{bucket}/orchestrator/archives/") for k in keys)

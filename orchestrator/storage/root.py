@@ -13,11 +13,24 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 STORAGE_ROOT_ENV = "ORCHESTRATOR_STORAGE_ROOT"
+# gcsfs's experimental hierarchical-namespace probing hangs for 60 s against GCS emulators; it
+# must be off before gcsfs is imported.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 def default_storage_root() -> str:
     """$ORCHESTRATOR_STORAGE_ROOT, else a directory under the user's home."""
     return os.environ.get(STORAGE_ROOT_ENV) or str(Path.home() / ".orchestrator" / "storage")
+
+
+def _storage_options(url: str) -> dict[str, Any]:
+    if "://" not in url:
+        return {}
+    # Other processes write records and log segments: never answer from a stale listing.
+    options: dict[str, Any] = {"use_listings_cache": False}
+    if url.startswith("gs://") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        options["token"] = "anon"  # an emulator (fake-gcs-server) takes no credentials
+    return options
 
 
 class StorageRoot:
@@ -28,7 +41,7 @@ class StorageRoot:
         if "://" not in url or url.startswith("file://"):
             url = str(Path(url.removeprefix("file://")).expanduser().resolve())
         self.url = url.rstrip("/")
-        self.fs, self._base = fsspec.core.url_to_fs(self.url)
+        self.fs, self._base = fsspec.core.url_to_fs(self.url, **_storage_options(self.url))
         self._base = self._base.rstrip("/")
         self.is_local = isinstance(self.fs, LocalFileSystem)
 
