@@ -15,13 +15,15 @@ alternating rounds of the same one-line script through:
 Each latency runs from just before the submit call to the first poll that shows the line, so
 the poll interval (`--poll`, 20 ms) bounds the resolution. The script prints its own clock in
 that line, which splits each latency into "printed" and "seen". Every job is waited for before
-the next starts. Afterwards a probe process repeats the controller's start-up steps one by one
-(interpreter, imports, `ray.init`, placement group, NodeAgent actor) to show what each costs.
+the next starts. Afterwards a probe Ray job repeats the controller's start-up steps one by one
+(interpreter, imports, `ray.init`, placement group, NodeAgent actor) to show what each costs,
+once with the job-level runtime_env `push` sends and once without.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -35,15 +37,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.agents.node_agent import NODE_ROOT_ENV
 from orchestrator.client.api import push
-from orchestrator.cluster.local import (
-    ORCHESTRATOR_HOME_ENV,
-    LocalCluster,
-    LocalClusterInfo,
-    embedded_env,
-)
+from orchestrator.client.submit import STOP_WAIT_S
+from orchestrator.cluster.local import LocalCluster, LocalClusterInfo, embedded_env
 from orchestrator.lifecycle import JobState
+from orchestrator.storage import layout
+from orchestrator.storage.root import StorageRoot
 
 MARKER = "FIRST-LINE"
 SCRIPT = f"""\
@@ -72,8 +71,9 @@ BARE_WORKDIR = "ray (working_dir)"
 BARE_ABS = "ray (abs path)"
 ORCHESTRATOR = "orchestrator"
 PATHS = (BARE_WORKDIR, BARE_ABS, ORCHESTRATOR)
+CONTROLLER_UP = "controller up"  # not a state: when the first log segment was written
 
-# The controller's start-up, step by step, in a fresh process as the Ray job supervisor runs it.
+# The controller's start-up, step by step, submitted as a Ray job as `push` submits it.
 PROBE = """\
 import json, sys, time
 t_start = time.time()
@@ -96,15 +96,18 @@ ray.get(agent.node_info.remote())
 t_agent = time.time()
 ray.kill(agent)
 remove_placement_group(pg)
-print(json.dumps([t_start, t_imported, t_connected, t_placed, t_agent]))
+print("PROBE", json.dumps([t_start, t_imported, t_connected, t_placed, t_agent]))
 """
 PROBE_STEPS = (
-    "interpreter start",
+    "Ray job start -> interpreter up",
     "import ray + orchestrator",
     "ray.init(address=auto)",
     "placement group ready",
     "NodeAgent actor: start + first call",
 )
+# What `push` sends today (orchestrator/client/submit.py); any job-level runtime_env does.
+PUSH_RUNTIME_ENV = {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}}
+PROBE_VARIANTS = {"job runtime_env as push sends it": PUSH_RUNTIME_ENV, "no job runtime_env": None}
 
 
 @dataclass
@@ -184,23 +187,35 @@ class Bench:
         if final != JobState.COMPLETED:
             raise RuntimeError(f"orchestrator: job {job.id} ended {final.value}: {job.logs()}")
         states = {event.state.value: event.at for event in job.details().history}
+        states[CONTROLLER_UP] = min(self.first_segment_written(job.id), states["DEPLOYING"])
         return Sample(ORCHESTRATOR, submitted, returned, printed, seen, states)
 
+    def first_segment_written(self, job_id: str) -> float:
+        """When the controller's first log line landed: it says it once it is connected."""
+        path = StorageRoot(self.storage_root).path(layout.log_segment(job_id, 0))
+        return os.stat(path).st_mtime
 
-def probe_controller_start(info: LocalClusterInfo, storage_root: str) -> list[float]:
-    """Seconds per PROBE_STEPS, in a fresh process like the controller's."""
-    env = {**os.environ, **embedded_env(), "RAY_ADDRESS": info.gcs_address}
-    spawned = time.time()
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, storage_root],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=True,
-    ).stdout
-    times = [spawned, *json.loads(out.strip().splitlines()[-1])]
-    return [b - a for a, b in zip(times, times[1:], strict=False)]
+    def probe(self, runtime_env: dict[str, dict[str, str]] | None) -> list[float]:
+        """Seconds per PROBE_STEPS of one PROBE job."""
+        script = self.job_dir.parent / "probe.py"
+        script.write_text(PROBE)
+        submitted = time.time()
+        job_id = self.client.submit_job(
+            entrypoint=f"python {script} {self.storage_root}",
+            runtime_env=runtime_env,
+            entrypoint_num_cpus=0,
+        )
+        deadline = time.monotonic() + TIMEOUT_S
+        while (status := str(self.client.get_job_status(job_id).value)) not in RAY_TERMINAL:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"probe job {job_id} still {status}")
+            time.sleep(0.1)
+        logs = self.client.get_job_logs(job_id)
+        found = re.search(r"^PROBE (\[.*\])$", logs, re.MULTILINE)
+        if status != "SUCCEEDED" or not found:
+            raise RuntimeError(f"probe job {job_id} ended {status}:\n{logs}")
+        times = [submitted, *json.loads(found.group(1))]
+        return [b - a for a, b in itertools.pairwise(times)]
 
 
 # --- report -------------------------------------------------------------------------------
@@ -212,11 +227,14 @@ def med(values: list[float]) -> float:
 
 def orchestrator_breakdown(s: Sample) -> list[tuple[str, float]]:
     """Consecutive steps of one orchestrator job, in seconds (they sum to its latency)."""
-    created, deploying, running = (s.states[k] for k in ("CREATED", "DEPLOYING", "RUNNING"))
+    created, up, deploying, running = (
+        s.states[k] for k in ("CREATED", CONTROLLER_UP, "DEPLOYING", "RUNNING")
+    )
     return [
         ("push: load config, archive, store record (-> CREATED)", created - s.submitted),
         ("push: Ray submit_job (CREATED -> push returned)", s.returned - created),
-        ("controller start, ray.init, placement group (-> DEPLOYING)", deploying - s.returned),
+        ("Ray starts the controller; imports, ray.init (-> 1st log line)", up - s.returned),
+        ("placement group (1st log line -> DEPLOYING)", deploying - up),
         ("NodeAgent actor start + prepare (DEPLOYING -> RUNNING)", running - deploying),
         ("command start -> script printed its line", s.printed - running),
         ("printed -> line seen in job.logs()", s.seen - s.printed),
@@ -241,7 +259,7 @@ def print_rows(title: str, rows: list[list[tuple[str, float]]]) -> None:
         print(f"  {name:<{width}}  {med(values):7.3f}  {min(values):7.3f}")
 
 
-def report(samples: list[Sample], probes: list[list[float]], poll: float) -> None:
+def report(samples: list[Sample], probes: dict[str, list[list[float]]], poll: float) -> None:
     by_path = {p: [s for s in samples if s.path == p] for p in PATHS}
     print(f"\nsubmit -> first line seen, seconds over {len(by_path[ORCHESTRATOR])} runs")
     print(f"(polling every {poll * 1000:.0f} ms: each 'seen' is up to that much late)")
@@ -264,11 +282,12 @@ def report(samples: list[Sample], probes: list[list[float]], poll: float) -> Non
     )
     for base in (BARE_WORKDIR, BARE_ABS):
         print_rows(f"{base} breakdown, seconds", [bare_breakdown(s) for s in by_path[base]])
-    if probes:
-        print_rows(
-            "controller start-up replayed step by step in a fresh process, seconds",
-            [list(zip(PROBE_STEPS, p, strict=True)) for p in probes],
-        )
+    for variant, runs in probes.items():
+        if runs:
+            print_rows(
+                f"controller start-up replayed step by step, {variant}, seconds",
+                [list(zip(PROBE_STEPS, p, strict=True)) for p in runs],
+            )
 
 
 def print_runs(samples: list[Sample]) -> None:
@@ -278,6 +297,22 @@ def print_runs(samples: list[Sample]) -> None:
             f"  {s.path:<18} {s.returned - s.submitted:6.3f} {s.printed - s.submitted:6.3f} "
             f"{s.latency:6.3f}"
         )
+
+
+def code_state() -> str:
+    """The commit measured, and whether the working tree differs from it."""
+    repo = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return commit + (" + uncommitted changes" if dirty else "")
 
 
 # --- main ---------------------------------------------------------------------------------
@@ -290,7 +325,9 @@ def main() -> int:
     parser.add_argument(
         "--hold", type=float, default=0.0, help="the script sleeps this long after its line"
     )
-    parser.add_argument("--probes", type=int, default=3, help="controller start-up replays")
+    parser.add_argument(
+        "--probes", type=int, default=3, help="controller start-up replays per variant"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dirs")
     args = parser.parse_args()
 
@@ -298,11 +335,11 @@ def main() -> int:
     # Private cluster, storage and node dirs; `push` finds the cluster through ORCHESTRATOR_HOME.
     os.environ.pop("RAY_ADDRESS", None)
     os.environ.update(embedded_env())
-    os.environ[ORCHESTRATOR_HOME_ENV] = str(work / "home")
-    os.environ[NODE_ROOT_ENV] = str(work / "nodes")
+    os.environ["ORCHESTRATOR_HOME"] = str(work / "home")
+    os.environ["ORCHESTRATOR_NODE_ROOT"] = str(work / "nodes")  # the agents' working dirs
     cluster = LocalCluster(state_dir=work / "home" / "local-cluster")
     info: LocalClusterInfo | None = None
-    print(f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}; work dir {work}")
+    print(f"code {code_state()}; cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}")
     try:
         started = time.monotonic()
         info = cluster.start()
@@ -315,7 +352,10 @@ def main() -> int:
         for i in range(args.runs):
             order = PATHS if i % 2 == 0 else tuple(reversed(PATHS))
             samples += [bench.run(path) for path in order]
-        probes = [probe_controller_start(info, bench.storage_root) for _ in range(args.probes)]
+        probes: dict[str, list[list[float]]] = {v: [] for v in PROBE_VARIANTS}
+        for _ in range(args.probes):
+            for variant, runtime_env in PROBE_VARIANTS.items():
+                probes[variant].append(bench.probe(runtime_env))
         print_runs(samples)
         report(samples, probes, args.poll)
         print(f"\nload average at the end {os.getloadavg()[0]:.2f}")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from moto.server import ThreadedMotoServer
 
-from orchestrator.cluster.local import ORCHESTRATOR_HOME_ENV, LocalCluster, LocalClusterInfo
+from orchestrator.cluster.local import LocalCluster, LocalClusterInfo
+from orchestrator.home import ORCHESTRATOR_HOME_ENV
 
 
 @pytest.fixture(scope="session")

@@ -19,12 +19,12 @@ from typer.testing import CliRunner
 
 from orchestrator.cli.cmd_cluster import cluster_app
 from orchestrator.cluster.local import (
-    ORCHESTRATOR_HOME_ENV,
     LocalCluster,
     LocalClusterError,
     LocalClusterInfo,
     embedded_env,
 )
+from orchestrator.home import ORCHESTRATOR_HOME_ENV
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 

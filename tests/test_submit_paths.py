@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import make_job
@@ -80,3 +82,46 @@ def test_logs_are_readable_after_the_cluster_is_gone(tmp_path, storage_root):
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     assert "kept after shutdown" in cli.stdout
+
+
+def test_stopping_the_cluster_stops_its_jobs_first(tmp_path, storage_root):
+    cluster = LocalCluster(state_dir=tmp_path / "short-lived")
+    info = cluster.start()
+    try:
+        config = make_job(tmp_path / "job", HELLO, {"hello.py": SLEEPER})
+        job = push(config, address=info.dashboard_url, storage_root=storage_root)
+        wait_for_line(job, "up")
+    finally:
+        cluster.stop()
+    assert job.status() == JobState.STOPPED
+
+
+def test_a_job_whose_local_cluster_died_is_failed_not_running_forever(tmp_path, storage_root):
+    cluster = LocalCluster(state_dir=tmp_path / "doomed")
+    info = cluster.start()
+    try:
+        config = make_job(tmp_path / "job", HELLO, {"hello.py": SLEEPER})
+        job = push(config, address=info.dashboard_url, storage_root=storage_root)
+        wait_for_line(job, "up")
+        command_pid = int(next(line for line in job.logs() if "pid " in line).split("pid ")[1])
+        os.killpg(info.pid, signal.SIGKILL)  # the cluster crashes: nobody records anything
+        os.kill(command_pid, signal.SIGKILL)  # its own session, so the crash did not reach it
+    finally:
+        cluster.stop()
+    assert job.status() == JobState.FAILED
+    assert "is no longer running" in job.details().failure.cause
+
+
+SLEEPER = """
+import os, time
+print("up", flush=True)
+print(f"pid {os.getpid()}", flush=True)
+time.sleep(600)
+"""
+
+
+def wait_for_line(job, text: str) -> None:
+    deadline = time.monotonic() + 60
+    while not any(line.endswith(text) for line in job.logs()):
+        assert time.monotonic() < deadline, job.logs()
+        time.sleep(0.2)

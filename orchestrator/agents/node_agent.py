@@ -24,7 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from orchestrator.agents.secrets import SecretMasker, resolve_secret
+from orchestrator.agents.rendezvous import free_port, group_environment
+from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
 from orchestrator.storage.root import StorageRoot
 
 NODE_ROOT_ENV = "ORCHESTRATOR_NODE_ROOT"
@@ -83,16 +84,30 @@ class NodeAgent:
         return self.node_info()
 
     def run_commands(
-        self, commands: list[str], env: dict[str, str], secrets: dict[str, str], cwd: str
+        self,
+        commands: list[str],
+        env: dict[str, str],
+        secrets: dict[str, str],
+        cwd: str,
+        rendezvous: Any,
+        gpus_per_node: int,
     ) -> Iterator[tuple[str, Any]]:
-        """Run `commands` in order through a shell, stopping at the first failure.
+        """Join the group, then run `commands` in order through a shell, stopping at a failure.
 
         Yields ("lines", [tagged lines]) as output arrives and finally ("result", {...}).
         `secrets` maps env var names to secret names, resolved here and masked in every line.
         """
+        group = self._join(rendezvous)
+        if group is None:  # stopped while waiting for the other ranks
+            yield ("result", {"exit_code": 0, "command": None, "last_lines": [], "stopped": True})
+            return
         values = {var: resolve_secret(name) for var, name in secrets.items()}
         mask = SecretMasker(list(values.values()))
-        full_env = {**os.environ, **env, **values}
+        group_env = group_environment(self.rank, group, gpus_per_node)
+        # The node's secret store (ORCHESTRATOR_SECRET_*) is not the job's to read: it gets only
+        # the secrets it names, under the names it chose.
+        node_env = {k: v for k, v in os.environ.items() if not k.startswith(SECRET_ENV_PREFIX)}
+        full_env = {**node_env, **env, **group_env, **values}
         # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.
         full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
         last_lines: deque[str] = deque(maxlen=LAST_LINES)
@@ -132,6 +147,18 @@ class NodeAgent:
             "exit_code": 0, "command": None, "last_lines": list(last_lines),
             "stopped": self._stopping.is_set(),
         })  # fmt: skip
+
+    def _join(self, rendezvous: Any) -> dict[str, Any] | None:
+        """Register this node's address and wait for every rank (the barrier)."""
+        import ray
+
+        port = free_port() if self.rank == 0 else None
+        ref = rendezvous.join.remote(self.rank, ray.util.get_node_ip_address(), port)
+        while not self._stopping.is_set():
+            ready, _ = ray.wait([ref], timeout=0.5)
+            if ready:
+                return ray.get(ref)
+        return None
 
     def stop(self, grace_s: float = 10.0) -> bool:
         """SIGTERM the running command's process group, SIGKILL after `grace_s`."""

@@ -13,6 +13,7 @@ from orchestrator.storage.logs import read_logs
 from orchestrator.storage.records import Failure, JobRecord, JobStatus
 
 POLL_S = 0.25
+_GONE = "GONE"  # the job's (loopback) cluster does not answer at all
 
 
 class JobHandle:
@@ -53,10 +54,14 @@ class JobHandle:
         if status.state.is_terminal or self.record.ray_address is None:
             return status
         ray_state = self._ray_job_state()
-        if ray_state in ("FAILED", "STOPPED", "SUCCEEDED"):
+        if ray_state in ("FAILED", "STOPPED", "SUCCEEDED", _GONE):
             status = self._store.status(self.id)  # it may have just been written
             if not status.state.is_terminal:
-                cause = f"the job's controller ended ({ray_state}) without recording an outcome"
+                cause = (
+                    f"the Ray cluster at {self.record.ray_address} is no longer running"
+                    if ray_state == _GONE
+                    else f"the job's controller ended ({ray_state}) without recording an outcome"
+                )
                 failure = Failure(cause=cause)
                 new = JobState.STOPPED if ray_state == "STOPPED" else JobState.FAILED
                 status = status.moved_to(new, cause).model_copy(update={"failure": failure})
@@ -121,10 +126,17 @@ class JobHandle:
         return self._ray_client
 
     def _ray_job_state(self) -> str | None:
+        import requests
+
         try:
             return str(self._client().get_job_status(self.id).value)
+        except (ConnectionError, requests.exceptions.ConnectionError):
+            self._ray_client = None
+            # Nothing answers. On this machine that means the cluster is gone; a remote one
+            # may only be out of reach, so its stored status stands.
+            return _GONE if _is_loopback(self.record.ray_address or "") else None
         except Exception:
-            return None  # cluster unreachable: trust the stored status
+            return None
 
 
 def _is_loopback(address: str) -> bool:

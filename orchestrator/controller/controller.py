@@ -20,6 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.agents.node_agent import NodeAgent
+from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
 from orchestrator.lifecycle import JobState
@@ -62,13 +63,17 @@ class JobController:
         self.stop_requested = threading.Event()
         self.pg: PlacementGroup | None = None
         self.agents: list[Any] = []
+        self.helpers: list[Any] = []  # the rendezvous (and later: uploaders) to end with the job
 
     # --- state -----------------------------------------------------------------------------
 
     def move(self, state: JobState, reason: str | None = None, **updates: Any) -> None:
-        self.status = self.status.moved_to(state, reason).model_copy(update=updates)
-        self.store.put_status(self.status)
+        status = self.status.moved_to(state, reason).model_copy(update=updates)
+        # Lines first: a reader that sees the new state has every line written before it.
         self.say(f"{state.value}" + (f": {reason}" if reason else ""))
+        self.logs.flush()
+        self.status = status
+        self.store.put_status(status)
 
     def say(self, message: str) -> None:
         """A controller line, in the Ray job log and the stored logs."""
@@ -199,11 +204,28 @@ class JobController:
             if isinstance(ref, SecretReference)
         }
         results = [_RankResult(rank) for rank in range(len(self.agents))]
+        rendezvous = (
+            ray.remote(Rendezvous)
+            .options(
+                name=f"orchestrator-{self.record.job_id}-rendezvous",
+                namespace=NAMESPACE,
+                num_cpus=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=0
+                ),
+            )
+            .remote(len(self.agents))
+        )
+        self.helpers.append(rendezvous)
         self.move(JobState.RUNNING, f"running {len(job.runtime.start_commands)} command(s)")
-        for node, agent, result in zip(nodes, self.agents, results, strict=False):
-            env = job_environment(self.record, node, nodes)
+        for node, agent, result in zip(nodes, self.agents, results, strict=True):
             stream = agent.run_commands.options(num_returns="streaming").remote(
-                job.runtime.start_commands, env, secrets, _workdir(node, self.record)
+                job.runtime.start_commands,
+                job_environment(self.record, node),
+                secrets,
+                _workdir(node, self.record),
+                rendezvous,
+                job.compute.gpus_per_node,
             )
             threading.Thread(target=self._consume, args=(stream, result), daemon=True).start()
         while not all(r.done.is_set() for r in results):
@@ -248,6 +270,8 @@ class JobController:
             with contextlib.suppress(Exception):  # a dead node's scratch went with it
                 ray.get(agent.cleanup.remote(), timeout=10)
             ray.kill(agent)
+        for helper in self.helpers:
+            ray.kill(helper)
         if self.pg is not None:
             remove_placement_group(self.pg)
 

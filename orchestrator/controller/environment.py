@@ -6,10 +6,12 @@ from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.records import JobRecord, NodeInfo
 
 
-def job_environment(record: JobRecord, node: NodeInfo, nodes: list[NodeInfo]) -> dict[str, str]:
-    """BT_* variables plus the user's plain variables (secrets are added on the node)."""
+def job_environment(record: JobRecord, node: NodeInfo) -> dict[str, str]:
+    """BT_* variables plus the user's plain variables.
+
+    The node agent adds the group's variables (leader, ranks; after the rendezvous) and secrets.
+    """
     job = record.spec.job
-    leader = nodes[0]
     assert node.working_dir is not None
     scratch = node.working_dir.rsplit("/", 1)[0] + "/scratch"
     env = {
@@ -21,9 +23,6 @@ def job_environment(record: JobRecord, node: NodeInfo, nodes: list[NodeInfo]) ->
         "BT_WORKING_DIR": node.working_dir,
         "BT_SCRATCH_DIR": scratch,
         "BT_RETRY_COUNT": "0",
-        "BT_GROUP_SIZE": str(len(nodes)),
-        "BT_NODE_RANK": str(node.rank),
-        "BT_LEADER_ADDR": leader.ip,
     }
     checkpointing = job.runtime.checkpointing_config
     if checkpointing.enabled:

@@ -12,6 +12,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from orchestrator.home import orchestrator_home
+
 STORAGE_ROOT_ENV = "ORCHESTRATOR_STORAGE_ROOT"
 # gcsfs's experimental hierarchical-namespace probing hangs for 60 s against GCS emulators; it
 # must be off before gcsfs is imported.
@@ -19,8 +21,8 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 def default_storage_root() -> str:
-    """$ORCHESTRATOR_STORAGE_ROOT, else a directory under the user's home."""
-    return os.environ.get(STORAGE_ROOT_ENV) or str(Path.home() / ".orchestrator" / "storage")
+    """$ORCHESTRATOR_STORAGE_ROOT, else `storage/` under $ORCHESTRATOR_HOME (~/.orchestrator)."""
+    return os.environ.get(STORAGE_ROOT_ENV) or str(orchestrator_home() / "storage")
 
 
 def _storage_options(url: str) -> dict[str, Any]:
