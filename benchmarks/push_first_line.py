@@ -1,6 +1,6 @@
 """Submit to first log line: a bare Ray Job API submission against `orchestrator.push`.
 
-    .venv/bin/python benchmarks/push_first_line.py [--runs N] [--poll S] [--hold S]
+    .venv/bin/python benchmarks/push_first_line.py [--runs N] [--poll S] [--hold S] [--probes N]
 
 Starts a private local Ray cluster (stopped at the end), warms each path once, then runs N
 alternating rounds of the same one-line script through:
@@ -8,7 +8,7 @@ alternating rounds of the same one-line script through:
 - `ray (working_dir)`: `JobSubmissionClient.submit_job("python first_line.py",
   runtime_env={"working_dir": ...})`, what `ray job submit --working-dir . -- python ...` does;
   polls `get_job_logs`.
-- `ray (abs path)`: the same with `python /abs/first_line.py` and no runtime_env: the floor.
+- `ray (abs path)`: the same with `python /abs/first_line.py` and no runtime_env at all.
 - `orchestrator`: `push(config.py)` whose start_command is `python first_line.py`; polls
   `job.logs()`.
 
@@ -105,7 +105,8 @@ PROBE_STEPS = (
     "placement group ready",
     "NodeAgent actor: start + first call",
 )
-# What `push` sends today (orchestrator/client/submit.py); any job-level runtime_env does.
+# The job-level runtime_env `push` sends today (orchestrator/client/submit.py). Any job-level
+# runtime_env, env_vars alone included, keeps the job's actors off Ray's idle pooled workers.
 PUSH_RUNTIME_ENV = {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}}
 PROBE_VARIANTS = {"job runtime_env as push sends it": PUSH_RUNTIME_ENV, "no job runtime_env": None}
 

@@ -239,7 +239,7 @@ def test_every_ray_start_gets_the_storage_root_path_and_secrets(
     venv_bin = home / "orchestrator-venv" / "bin"
     venv_bin.mkdir(parents=True)
     stub = venv_bin / "ray"
-    stub.write_text('#!/bin/sh\nenv -0 > "$HOME/ray-$1.env"\n')
+    stub.write_text('#!/bin/sh\nenv > "$HOME/ray-$1.env"\n')
     stub.chmod(0o755)
     secret = secret_env_name("hf_access_token")
     (home / "orchestrator-secrets.env").write_text(f"{secret}=not-a-real-token\n")
@@ -255,7 +255,9 @@ def test_every_ray_start_gets_the_storage_root_path_and_secrets(
         run(command)
 
     seen = dict(
-        item.split("=", 1) for item in (home / "ray-start.env").read_text().split("\0") if item
+        item.split("=", 1)
+        for item in (home / "ray-start.env").read_text().splitlines()
+        if "=" in item
     )
     root = urlsplit(seen[STORAGE_ROOT_ENV])
     assert root.scheme in OBJECT_STORE_SCHEMES and root.netloc and root.path.strip("/")

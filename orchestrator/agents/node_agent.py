@@ -29,6 +29,23 @@ from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve
 from orchestrator.storage.root import StorageRoot
 
 NODE_ROOT_ENV = "ORCHESTRATOR_NODE_ROOT"
+
+# Runs each command as the leader of its process group. If the agent dies without stopping it
+# (a killed worker, a lost node), the guard notices its parent is gone and kills the group, so
+# no training process is orphaned. It ignores SIGTERM itself, so a stop reaches the command and
+# the guard reports the command's own exit code.
+_GUARD = """
+import os, signal, subprocess, sys, time
+agent = int(sys.argv[1])
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+restore = lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)  # noqa: E731
+child = subprocess.Popen(sys.argv[2:], preexec_fn=restore)
+while child.poll() is None:
+    if os.getppid() != agent:
+        os.killpg(0, signal.SIGKILL)
+    time.sleep(0.5)
+sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
+"""
 LAST_LINES = 50
 
 
@@ -116,7 +133,7 @@ class NodeAgent:
                 break
             lines: queue.Queue[str | None] = queue.Queue()
             self._process = subprocess.Popen(
-                ["/bin/sh", "-c", command],
+                [*_guarded(), "/bin/sh", "-c", command],
                 cwd=cwd,
                 env=full_env,
                 stdout=subprocess.PIPE,
@@ -149,7 +166,16 @@ class NodeAgent:
         })  # fmt: skip
 
     def _join(self, rendezvous: Any) -> dict[str, Any] | None:
-        """Register this node's address and wait for every rank (the barrier)."""
+        """Register this node's address and wait for every rank (the barrier).
+
+        Without a rendezvous (a group of one, e.g. outside Ray) this node leads itself.
+        """
+        if rendezvous is None:
+            return {
+                "leader_addr": "127.0.0.1",
+                "master_port": free_port(),
+                "addresses": ["127.0.0.1"],
+            }
         import ray
 
         port = free_port() if self.rank == 0 else None
@@ -189,6 +215,10 @@ class NodeAgent:
 
     def _tag(self, line: str) -> str:
         return f"[rank {self.rank} {time.strftime('%H:%M:%S')}] {line}"
+
+
+def _guarded() -> list[str]:
+    return [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid())]
 
 
 def _pump(proc: subprocess.Popen[bytes], lines: queue.Queue[str | None]) -> None:

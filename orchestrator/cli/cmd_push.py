@@ -42,6 +42,10 @@ def push(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Do everything short of submitting")
     ] = False,
+    colocate_ranks: Annotated[
+        bool,
+        typer.Option("--colocate-ranks", help="Run all ranks on one node (a dev machine)"),
+    ] = False,
     address: Address = None,
     storage_root: StorageRootOption = None,
     output: Annotated[OutputFormat, typer.Option("-o", "--output")] = OutputFormat.text,
@@ -55,7 +59,7 @@ def push(
     print_warnings(list(prepared.warnings))
     connection = connect(address)
     store = JobStore(storage(storage_root))
-    record = submit(prepared, connection, store.root)
+    record = submit(prepared, connection, store.root, colocate_ranks=colocate_ranks)
     job = JobHandle(store, record)
     if output is OutputFormat.json:
         print_json(

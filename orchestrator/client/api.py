@@ -22,12 +22,17 @@ def push(
     address: str | None = None,
     storage_root: str | None = None,
     overrides: Overrides | None = None,
+    colocate_ranks: bool = False,
 ) -> JobHandle:
-    """Validate, package and submit a job. Nothing is created if the config is invalid."""
+    """Validate, package and submit a job. Nothing is created if the config is invalid.
+
+    `colocate_ranks` runs all `node_count` ranks on one node, each its own process with its own
+    rank: multinode code on a single development machine.
+    """
     prepared = prepare_job(config, source_dir, overrides)
     connection = connect(address)
     store = JobStore(storage(storage_root))
-    record = submit(prepared, connection, store.root)
+    record = submit(prepared, connection, store.root, colocate_ranks=colocate_ranks)
     return JobHandle(store, record)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from orchestrator.storage.root import StorageRoot, default_storage_root
 
@@ -19,6 +20,11 @@ class Connection:
     address: str
     embedded: bool
 
+    @property
+    def on_this_machine(self) -> bool:
+        host = urlsplit(self.address).hostname or ""
+        return host in ("127.0.0.1", "localhost", "::1")
+
     def client(self) -> JobSubmissionClient:
         from ray.job_submission import JobSubmissionClient
 
@@ -26,6 +32,8 @@ class Connection:
             from orchestrator.cluster.local import embedded_env
 
             os.environ.update(embedded_env())
+        elif self.on_this_machine:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         return JobSubmissionClient(self.address)
 
 

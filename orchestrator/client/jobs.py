@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from orchestrator.client.connection import Connection
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.job_store import JobStore
@@ -116,13 +117,11 @@ class JobHandle:
         )
 
     def _client(self) -> Any:
-        from orchestrator.client.connection import Connection
-
         address = self.record.ray_address
         if address is None:
             raise OrchestratorError(f"job {self.id} was not submitted through the Job API")
         if self._ray_client is None:
-            self._ray_client = Connection(address=address, embedded=_is_loopback(address)).client()
+            self._ray_client = Connection(address=address, embedded=False).client()
         return self._ray_client
 
     def _ray_job_state(self) -> str | None:
@@ -134,10 +133,7 @@ class JobHandle:
             self._ray_client = None
             # Nothing answers. On this machine that means the cluster is gone; a remote one
             # may only be out of reach, so its stored status stands.
-            return _GONE if _is_loopback(self.record.ray_address or "") else None
+            on_this_machine = Connection(self.record.ray_address or "", False).on_this_machine
+            return _GONE if on_this_machine else None
         except Exception:
             return None
-
-
-def _is_loopback(address: str) -> bool:
-    return "127.0.0.1" in address or "localhost" in address

@@ -13,12 +13,14 @@ from pathlib import Path
 from orchestrator.client.connection import Connection
 from orchestrator.client.prepare import PreparedJob
 from orchestrator.client.workspace import write_archive
+from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus
 from orchestrator.storage.root import StorageRoot
 
 REMOTE_PYTHON_ENV = "ORCHESTRATOR_PYTHON"
+SHARED_FS_ENV = "ORCHESTRATOR_SHARED_FILESYSTEM"
 SCHEDULING_TIMEOUT_ENV = "ORCHESTRATOR_SCHEDULING_TIMEOUT_S"
 DEFAULT_SCHEDULING_TIMEOUT_S = 600.0
 # Ray's job supervisor SIGKILLs the entrypoint this long after SIGTERM; the controller needs
@@ -43,6 +45,7 @@ def store_job(
     job_id: str,
     ray_address: str | None,
     submitted_via: str = "push",
+    colocate_ranks: bool = False,
 ) -> JobRecord:
     """Upload the code archive (skipped if the same bytes are stored) and write the record."""
     store = JobStore(root)
@@ -67,6 +70,7 @@ def store_job(
         storage_root=root.url,
         ray_address=ray_address,
         submitted_via=submitted_via,
+        colocate_ranks=colocate_ranks,
         notices=list(prepared.warnings),
     )
     store.create(record, JobStatus.new(job_id, "submitted"))
@@ -86,10 +90,27 @@ def controller_entrypoint(job_id: str, root: StorageRoot, embedded: bool) -> str
     )  # fmt: skip
 
 
-def submit(prepared: PreparedJob, connection: Connection, root: StorageRoot) -> JobRecord:
+def check_storage_reachable(connection: Connection, root: StorageRoot) -> None:
+    """A cluster elsewhere cannot read a directory on this machine: refuse before creating."""
+    if root.is_local and not connection.on_this_machine and not os.environ.get(SHARED_FS_ENV):
+        raise OrchestratorError(
+            f"the storage root {root.url} is a local directory, but the cluster at "
+            f"{connection.address} is another machine and cannot read it. Use an object store "
+            "both can reach (--storage-root s3://bucket/prefix or ORCHESTRATOR_STORAGE_ROOT), "
+            f"or set {SHARED_FS_ENV}=1 if that path is a filesystem shared with the cluster"
+        )
+
+
+def submit(
+    prepared: PreparedJob,
+    connection: Connection,
+    root: StorageRoot,
+    colocate_ranks: bool = False,
+) -> JobRecord:
     """Store the job, then submit its Ray job (submission id = job id)."""
+    check_storage_reachable(connection, root)
     job_id = new_job_id()
-    record = store_job(prepared, root, job_id, connection.address)
+    record = store_job(prepared, root, job_id, connection.address, colocate_ranks=colocate_ranks)
     image = prepared.project.job.image.base_image
     try:
         connection.client().submit_job(

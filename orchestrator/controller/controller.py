@@ -127,7 +127,9 @@ class JobController:
         compute = self.record.spec.job.compute
         bundles = bundles_for(compute)
         self.pg = placement_group(
-            bundles, strategy=strategy_for(compute), name=f"orchestrator-{self.record.job_id}"
+            bundles,
+            strategy=strategy_for(compute, colocate=self.record.colocate_ranks),
+            name=f"orchestrator-{self.record.job_id}",
         )
         ready = self.pg.ready()
         deadline = time.monotonic() + self.scheduling_timeout_s

@@ -35,6 +35,7 @@ class JobRecord(_Record):
     storage_root: str
     ray_address: str | None = None
     submitted_via: str = "push"  # push | ray-job-submit
+    colocate_ranks: bool = False  # all ranks on one node (a development machine)
     notices: list[str] = Field(default_factory=list)
 
 

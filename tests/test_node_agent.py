@@ -1,0 +1,116 @@
+"""The node agent's command runner, used directly in this process (no Ray)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+from orchestrator.agents.node_agent import NodeAgent
+
+
+def run(agent: NodeAgent, commands: list[str], cwd: Path, secrets=None, env=None):
+    lines, result = [], None
+    for kind, payload in agent.run_commands(commands, env or {}, secrets or {}, str(cwd), None, 0):
+        if kind == "lines":
+            lines += payload
+        else:
+            result = payload
+    return lines, result
+
+
+def gone(pid: int, timeout: float) -> bool:
+    """True once `pid` has exited (a zombie counts: it runs no more), within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def untagged(lines: list[str]) -> list[str]:
+    return [line.split("] ", 1)[1] for line in lines]
+
+
+def test_commands_run_in_order_and_stop_at_the_first_failure(tmp_path):
+    agent = NodeAgent("j", 0, str(tmp_path / "storage"))
+    lines, result = run(agent, ["echo one", "echo two >&2; exit 7", "echo three"], tmp_path)
+    assert untagged(lines) == ["one", "two"]
+    assert lines[0].startswith("[rank 0 ")
+    assert result["exit_code"] == 7 and result["command"] == "echo two >&2; exit 7"
+    assert result["last_lines"] == ["one", "two"]
+
+
+def test_group_variables_for_a_group_of_one(tmp_path):
+    agent = NodeAgent("j", 0, str(tmp_path / "storage"))
+    lines, result = run(agent, ["echo $BT_GROUP_SIZE $NNODES $NODE_RANK $MASTER_PORT"], tmp_path)
+    size, nnodes, rank, port = untagged(lines)[0].split()
+    assert (size, nnodes, rank) == ("1", "1", "0") and int(port) > 0
+    assert result["exit_code"] == 0
+
+
+def test_secrets_are_resolved_masked_and_the_only_ones_visible(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_SECRET_HF_TOKEN", "hf_abcdef123456")
+    monkeypatch.setenv("ORCHESTRATOR_SECRET_OTHER_TEAM", "not-yours-987654")
+    agent = NodeAgent("j", 0, str(tmp_path / "storage"))
+    lines, result = run(
+        agent,
+        ["echo token=$HF_TOKEN", "env | grep -c ORCHESTRATOR_SECRET_ || true"],
+        tmp_path,
+        secrets={"HF_TOKEN": "hf_token"},
+    )
+    assert untagged(lines) == ["token=*****", "0"]
+    assert not any("hf_abcdef123456" in line for line in lines + result["last_lines"])
+
+
+def test_stop_reaches_every_process_of_the_command(tmp_path):
+    agent = NodeAgent("j", 0, str(tmp_path / "storage"))
+    script = "sleep 300 & echo child $!; sleep 300"
+    stream = agent.run_commands([script], {}, {}, str(tmp_path), None, 0)
+    kind, payload = next(stream)
+    while kind != "lines":
+        kind, payload = next(stream)
+    child = int(untagged(payload)[0].split()[1])
+    assert psutil.pid_exists(child)
+    assert agent.stop(grace_s=5)
+    result = next(p for k, p in stream if k == "result")
+    assert result["stopped"] and result["exit_code"] != 0
+    assert gone(child, timeout=10), "a process of the command outlived stop"
+
+
+AGENT_SCRIPT = """
+import sys
+from orchestrator.agents.node_agent import NodeAgent
+agent = NodeAgent("j", 0, sys.argv[1])
+for kind, payload in agent.run_commands(["sleep 300 & echo pid $!; wait"], {}, {}, sys.argv[1],
+                                        None, 0):
+    print(payload, flush=True)
+"""
+
+
+def test_a_killed_agent_leaves_no_orphan(tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent(AGENT_SCRIPT))
+    agent = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        first = agent.stdout.readline()
+        pid = int(first.split("pid ")[1].split("'")[0])
+        assert psutil.pid_exists(pid)
+        os.kill(agent.pid, signal.SIGKILL)  # the worker dies without a word
+        agent.wait()
+        assert gone(pid, timeout=10), "the command outlived its agent"
+    finally:
+        if agent.poll() is None:
+            agent.kill()
