@@ -77,10 +77,12 @@ def store_job(
     return record
 
 
-def controller_entrypoint(job_id: str, root: StorageRoot, embedded: bool) -> str:
-    # On the embedded cluster the controller runs on this machine: use this very interpreter,
-    # which has orchestrator installed. A remote cluster uses its own (or $ORCHESTRATOR_PYTHON).
-    python = sys.executable if embedded else os.environ.get(REMOTE_PYTHON_ENV, "python")
+def controller_entrypoint(job_id: str, root: StorageRoot, connection: Connection) -> str:
+    # A cluster on this machine runs the controller here: use this very interpreter, which has
+    # orchestrator installed. A remote cluster uses its own `python` (or $ORCHESTRATOR_PYTHON).
+    python = os.environ.get(REMOTE_PYTHON_ENV) or (
+        sys.executable if connection.on_this_machine else "python"
+    )
     return " ".join(
         shlex.quote(part)
         for part in (
@@ -114,7 +116,7 @@ def submit(
     image = prepared.project.job.image.base_image
     try:
         connection.client().submit_job(
-            entrypoint=controller_entrypoint(job_id, root, connection.embedded),
+            entrypoint=controller_entrypoint(job_id, root, connection),
             submission_id=job_id,
             metadata={
                 "orchestrator_project": record.project,

@@ -1,0 +1,224 @@
+"""Gang jobs on a simulated GPU cluster: a head and three worker raylets on this machine.
+
+Each worker declares 2 GPUs and `accelerator_type:H100`, as a real H100 node does; Ray sets
+CUDA_VISIBLE_DEVICES from the declared GPUs though none exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+from conftest import make_job
+from ray.cluster_utils import Cluster
+
+from orchestrator.agents.rendezvous import Rendezvous
+from orchestrator.client.api import push
+from orchestrator.client.jobs import JobHandle
+from orchestrator.cluster.local import embedded_env
+from orchestrator.lifecycle import JobState
+
+REPO = Path(__file__).resolve().parents[1]
+WORKERS = 3
+
+
+class GpuCluster:
+    def __init__(self, cluster: Cluster, dashboard_url: str) -> None:
+        self.cluster, self.dashboard_url = cluster, dashboard_url
+
+    def add_worker(self):
+        node = self.cluster.add_node(num_cpus=2, num_gpus=2, resources={"accelerator_type:H100": 1})
+        self.cluster.wait_for_nodes()
+        return node
+
+    def node(self, node_id: str):
+        return next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster(orchestrator_home, s3_server) -> Iterator[GpuCluster]:
+    os.environ.update(embedded_env())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": True,
+                        "dashboard_host": "127.0.0.1", "dashboard_port": port},
+    )  # fmt: skip
+    try:
+        gpus = GpuCluster(cluster, f"http://127.0.0.1:{port}")
+        for _ in range(WORKERS):
+            gpus.add_worker()
+        yield gpus
+    finally:
+        cluster.shutdown()
+
+
+def gang_job(directory: Path, command: str, files: dict[str, str] | None = None,
+             nodes: int = 2, accelerator: str = "H100:2") -> Path:  # fmt: skip
+    return make_job(
+        directory,
+        f"""
+        from truss_train import definitions
+        project = definitions.TrainingProject(
+            name="gang",
+            job=definitions.TrainingJob(
+                image=definitions.Image(base_image="nvcr.io/nvidia/pytorch:25.01-py3"),
+                compute=definitions.Compute(
+                    node_count={nodes}, cpu_count=1, memory="512Mi", accelerator="{accelerator}"
+                ),
+                runtime=definitions.Runtime(start_commands=[{command!r}]),
+            ),
+        )
+        """,
+        files,
+    )
+
+
+def lines_of(job: JobHandle, rank: int) -> list[str]:
+    prefix = f"[rank {rank} "
+    return [line.split("] ", 1)[1] for line in job.logs() if line.startswith(prefix)]
+
+
+def wait_for_lines(job: JobHandle, count_per_rank: dict[int, int], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while any(len(lines_of(job, r)) < n for r, n in count_per_rank.items()):
+        assert time.monotonic() < deadline, job.logs()
+        assert not job.status().is_terminal, job.logs()
+        time.sleep(0.2)
+
+
+SHOW_ENV = """
+import json, os
+keys = ["BT_GROUP_SIZE", "BT_NODE_RANK", "BT_LEADER_ADDR", "BT_NUM_GPUS", "MASTER_ADDR",
+        "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "CUDA_VISIBLE_DEVICES",
+        "BT_TRAINING_JOB_ID"]
+print(json.dumps({k: os.environ.get(k) for k in keys}))
+"""
+
+
+def test_ranks_on_distinct_nodes_with_the_env_contract(tmp_path, storage_root, gpu_cluster):
+    config = gang_job(tmp_path / "job", "python show_env.py", {"show_env.py": SHOW_ENV})
+    job = push(config, address=gpu_cluster.dashboard_url, storage_root=storage_root)
+    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+    nodes = job.details().nodes
+    assert [n.rank for n in nodes] == [0, 1]
+    assert len({n.node_id for n in nodes}) == 2, "each rank must have its own node"
+    envs = {r: json.loads(lines_of(job, r)[0]) for r in (0, 1)}
+    for rank, env in envs.items():
+        assert env["BT_NODE_RANK"] == env["NODE_RANK"] == str(rank)
+        assert env["BT_GROUP_SIZE"] == env["NNODES"] == "2"
+        assert env["BT_NUM_GPUS"] == env["NPROC_PER_NODE"] == "2"
+        assert env["BT_LEADER_ADDR"] == env["MASTER_ADDR"] == nodes[0].ip
+        assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == 2
+        assert env["BT_TRAINING_JOB_ID"] == job.id
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and int(envs[0]["MASTER_PORT"]) > 0
+
+
+def test_rendezvous_is_a_barrier(gpu_cluster):
+    ray.init(address=gpu_cluster.cluster.address, namespace="rendezvous-test")
+    try:
+        rendezvous = ray.remote(Rendezvous).remote(2)
+        leader = rendezvous.join.remote(0, "10.0.0.1", 29555)
+        ready, _ = ray.wait([leader], timeout=1.0)
+        assert not ready, "rank 0 must wait until every rank has joined"
+        follower = rendezvous.join.remote(1, "10.0.0.2", None)
+        groups = ray.get([leader, follower], timeout=30)
+        assert (
+            groups[0]
+            == groups[1]
+            == {
+                "leader_addr": "10.0.0.1",
+                "master_port": 29555,
+                "addresses": ["10.0.0.1", "10.0.0.2"],
+            }
+        )
+    finally:
+        ray.shutdown()
+
+
+GANG_FAIL = """
+import os, sys, time
+rank = os.environ["BT_NODE_RANK"]
+print(f"pid {os.getpid()}", flush=True)
+if rank == "1":
+    time.sleep(1)
+    print("rank 1 gives up", flush=True)
+    sys.exit(4)
+time.sleep(300)
+"""
+
+
+def test_one_rank_failing_stops_the_others(tmp_path, storage_root, gpu_cluster):
+    config = gang_job(tmp_path / "job", "python gang.py", {"gang.py": GANG_FAIL})
+    job = push(config, address=gpu_cluster.dashboard_url, storage_root=storage_root)
+    assert job.wait(timeout=120) == JobState.FAILED, job.logs()
+    failure = job.details().failure
+    assert failure.node_rank == 1 and failure.exit_code == 4
+    assert failure.last_lines[-1] == "rank 1 gives up"
+    assert "rank 1" in failure.cause
+    survivor = int(lines_of(job, 0)[0].split("pid ")[1])
+    assert not psutil.pid_exists(survivor) or psutil.Process(survivor).status() == "zombie"
+
+
+def test_recipe_multinode_ddp_trains_to_the_single_node_accuracy(storage_root, gpu_cluster):
+    config = REPO / "recipes" / "multinode-ddp" / "config.py"
+    if not config.exists():
+        pytest.fail("recipes/multinode-ddp is missing")
+    job = push(config, address=gpu_cluster.dashboard_url, storage_root=storage_root)
+    assert job.wait(timeout=240) == JobState.COMPLETED, "\n".join(job.logs()[-30:])
+    final = [line for line in lines_of(job, 0) if "final test accuracy" in line]
+    assert final and float(final[0].rsplit(" ", 1)[1]) >= 0.9
+    assert len({n.node_id for n in job.details().nodes}) == 2
+
+
+@pytest.mark.parametrize(
+    ("nodes", "accelerator", "reason"),
+    [
+        (4, "H100:2", "needs 4 nodes with CPU 1, memory 0.5 GiB, GPU 2, accelerator H100 each"),
+        (1, "A100:1", "accelerator A100"),
+    ],
+)
+def test_gang_that_cannot_be_placed(tmp_path, storage_root, gpu_cluster, monkeypatch,
+                                    nodes, accelerator, reason):  # fmt: skip
+    monkeypatch.setenv("ORCHESTRATOR_SCHEDULING_TIMEOUT_S", "4")
+    config = gang_job(tmp_path / "job", "echo never", nodes=nodes, accelerator=accelerator)
+    job = push(config, address=gpu_cluster.dashboard_url, storage_root=storage_root)
+    assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
+    pending = [e.reason for e in job.details().history if e.state == JobState.PENDING]
+    assert pending and reason in pending[0], pending
+    assert not any("never" in line for line in job.logs())
+
+
+SLEEPER = """
+import os, time
+print(f"pid {os.getpid()}", flush=True)
+time.sleep(300)
+"""
+
+
+def test_losing_a_node_fails_the_job_with_that_cause(tmp_path, storage_root, gpu_cluster):
+    config = gang_job(tmp_path / "job", "python sleeper.py", {"sleeper.py": SLEEPER})
+    job = push(config, address=gpu_cluster.dashboard_url, storage_root=storage_root)
+    wait_for_lines(job, {0: 1, 1: 1})
+    rank1 = job.details().nodes[1]
+    pid = int(lines_of(job, 1)[0].split("pid ")[1])
+    gpu_cluster.cluster.remove_node(gpu_cluster.node(rank1.node_id))
+    try:
+        assert job.wait(timeout=90) == JobState.FAILED, job.logs()
+        failure = job.details().failure
+        assert failure.node_rank == 1 and "rank 1 was lost" in failure.cause
+        deadline = time.monotonic() + 15
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
+            assert time.monotonic() < deadline, "rank 1's process outlived its node"
+            time.sleep(0.2)
+    finally:
+        gpu_cluster.add_worker()
