@@ -241,3 +241,27 @@ def test_job_on_an_s3_storage_root(tmp_path, s3_server):
     keys = s3fs.S3FileSystem().find(f"{bucket}/orchestrator")
     assert f"{bucket}/orchestrator/jobs/{job.id}/record.json" in keys
     assert any(k.startswith(f"{bucket}/orchestrator/archives/") for k in keys)
+
+
+def test_colocated_ranks_run_a_gang_on_one_machine(tmp_path, storage_root):
+    command = "echo rank=$NODE_RANK of $NNODES port=$MASTER_PORT"
+    body = CPU_JOB.format(project="colocated", name="gang", cpus=1, commands=[command])
+    config = make_job(tmp_path / "job", body.replace("Compute(", "Compute(node_count=2, "))
+    job = push(config, storage_root=storage_root, colocate_ranks=True)
+    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+    said = sorted(line.split("] ", 1)[1] for line in job.logs() if "rank=" in line)
+    ports = {line.rsplit("port=", 1)[1] for line in said}
+    assert [line.split(" port")[0] for line in said] == ["rank=0 of 2", "rank=1 of 2"]
+    assert len(ports) == 1
+    assert len(job.details().nodes) == 2
+
+
+def test_a_gang_larger_than_the_cluster_waits_with_a_reason(tmp_path, storage_root, monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_SCHEDULING_TIMEOUT_S", "3")
+    body = CPU_JOB.format(project="gang", name="gang", cpus=1, commands=["echo never"])
+    config = make_job(tmp_path / "job", body.replace("Compute(", "Compute(node_count=2, "))
+    job = push(config, storage_root=storage_root)
+    assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
+    pending = [e.reason for e in job.details().history if e.state == JobState.PENDING]
+    assert pending and pending[0].startswith("needs 2 nodes with CPU 1")
+    assert "1 of 1 alive node has that much in total" in pending[0]
