@@ -21,9 +21,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from orchestrator.cluster.local import embedded_env
+from orchestrator.cluster.local import CLUSTER_ENV, embedded_env
 
-os.environ.update(embedded_env())
+os.environ.update({**embedded_env(), **CLUSTER_ENV})
 os.environ.setdefault("ORCHESTRATOR_PYTHON", sys.executable)
 
 import ray

@@ -22,7 +22,7 @@ from ray.cluster_utils import Cluster
 from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
-from orchestrator.cluster.local import embedded_env
+from orchestrator.cluster.local import CLUSTER_ENV, embedded_env
 from orchestrator.lifecycle import JobState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ class GpuCluster:
 
 @pytest.fixture(scope="module")
 def gpu_cluster(orchestrator_home, s3_server) -> Iterator[GpuCluster]:
-    os.environ.update(embedded_env())
+    os.environ.update({**embedded_env(), **CLUSTER_ENV})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -97,7 +97,7 @@ class JobHandle:
             yield from lines
             if ended:
                 return
-            time.sleep(POLL_S)
+            time.sleep(POLL_S if not self._store.root.is_local else POLL_S / 2.5)
 
     def stop(self, timeout: float = 90) -> JobState:
         """Stop the job (SIGTERM to its commands, SIGKILL after a grace period) and wait."""

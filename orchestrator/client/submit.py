@@ -23,9 +23,6 @@ REMOTE_PYTHON_ENV = "ORCHESTRATOR_PYTHON"
 SHARED_FS_ENV = "ORCHESTRATOR_SHARED_FILESYSTEM"
 SCHEDULING_TIMEOUT_ENV = "ORCHESTRATOR_SCHEDULING_TIMEOUT_S"
 DEFAULT_SCHEDULING_TIMEOUT_S = 600.0
-# Ray's job supervisor SIGKILLs the entrypoint this long after SIGTERM; the controller needs
-# time to stop the commands gracefully and record STOPPED.
-STOP_WAIT_S = 60
 
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -124,7 +121,6 @@ def submit(
                 "orchestrator_storage_root": root.url,
                 "base_image": image,
             },
-            runtime_env={"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}},
             entrypoint_num_cpus=0,
         )
     except Exception as e:

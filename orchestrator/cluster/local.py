@@ -47,6 +47,13 @@ class LocalClusterError(OrchestratorError):
     """The embedded local Ray cluster could not be started or stopped."""
 
 
+# What every cluster that runs orchestrator jobs should have in `ray start`'s environment (the
+# job supervisor reads it from there): a stopping job's controller gets 60 s, not Ray's 3 s, to
+# stop its commands and record STOPPED. Passing it per job as a runtime_env would cost every
+# job's actors Ray's pooled workers (0.3-0.6 s each, docs/performance.md).
+CLUSTER_ENV = {"RAY_JOB_STOP_WAIT_TIME_S": "60"}
+
+
 def embedded_env() -> dict[str, str]:
     """Environment every process talking to the embedded cluster needs (the cluster's own too).
 
@@ -183,7 +190,7 @@ class LocalCluster:
         command, gcs_port, dashboard_port = ray_start_command(
             temp_dir, num_cpus=num_cpus, num_gpus=num_gpus, resources=resources
         )
-        env = {**os.environ, **embedded_env()}
+        env = {**os.environ, **embedded_env(), **CLUSTER_ENV}
         env.pop("RAY_ADDRESS", None)
         # Job entrypoints are shell commands: let their `python` be this (Ray-equipped) one.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])

@@ -64,6 +64,7 @@ class JobController:
         self.pg: PlacementGroup | None = None
         self.agents: list[Any] = []
         self.helpers: list[Any] = []  # the rendezvous (and later: uploaders) to end with the job
+        self.rendezvous: Any = None
 
     # --- state -----------------------------------------------------------------------------
 
@@ -156,6 +157,20 @@ class JobController:
         compute = self.record.spec.job.compute
         self.move(JobState.DEPLOYING, f"preparing {compute.node_count} node(s)")
         bundle = bundles_for(compute)[0]
+        # Created with the agents, so its worker starts while they prepare (not after).
+        self.rendezvous = (
+            ray.remote(Rendezvous)
+            .options(
+                name=f"orchestrator-{self.record.job_id}-rendezvous",
+                namespace=NAMESPACE,
+                num_cpus=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=0
+                ),
+            )
+            .remote(compute.node_count)
+        )
+        self.helpers.append(self.rendezvous)
         agent_cls = ray.remote(NodeAgent)
         image = self.record.spec.job.image.base_image
         runtime_env = {"image_uri": image} if use_image_uri() else None
@@ -206,19 +221,6 @@ class JobController:
             if isinstance(ref, SecretReference)
         }
         results = [_RankResult(rank) for rank in range(len(self.agents))]
-        rendezvous = (
-            ray.remote(Rendezvous)
-            .options(
-                name=f"orchestrator-{self.record.job_id}-rendezvous",
-                namespace=NAMESPACE,
-                num_cpus=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=0
-                ),
-            )
-            .remote(len(self.agents))
-        )
-        self.helpers.append(rendezvous)
         self.move(JobState.RUNNING, f"running {len(job.runtime.start_commands)} command(s)")
         for node, agent, result in zip(nodes, self.agents, results, strict=True):
             stream = agent.run_commands.options(num_returns="streaming").remote(
@@ -226,7 +228,7 @@ class JobController:
                 job_environment(self.record, node),
                 secrets,
                 _workdir(node, self.record),
-                rendezvous,
+                self.rendezvous,
                 job.compute.gpus_per_node,
             )
             threading.Thread(target=self._consume, args=(stream, result), daemon=True).start()

@@ -15,8 +15,10 @@ class LogWriter:
     A background thread flushes what is buffered, so a line followed by silence still lands.
     """
 
-    def __init__(self, root: StorageRoot, job_id: str, interval: float = 0.25) -> None:
-        self._root, self._job_id, self._interval = root, job_id, interval
+    def __init__(self, root: StorageRoot, job_id: str, interval: float | None = None) -> None:
+        self._root, self._job_id = root, job_id
+        # Local writes are cheap, so lines land fast; on an object store each flush is a PUT.
+        self._interval = interval if interval is not None else (0.05 if root.is_local else 0.5)
         existing = root.list_names(layout.logs_dir(job_id))
         self._seq = max((int(n.split(".")[0]) for n in existing if n.endswith(".log")), default=-1)
         self._seq += 1
