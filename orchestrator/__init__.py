@@ -1,28 +1,41 @@
-"""orchestrator: Baseten-Training-style jobs on your own Ray cluster."""
+"""orchestrator: Baseten-Training-style jobs on your own Ray cluster.
 
-from orchestrator import definitions
-from orchestrator.client.api import get_job, list_jobs, list_projects, push
-from orchestrator.definitions import *  # noqa: F403
-from orchestrator.definitions import __all__ as _definitions_all
-from orchestrator.errors import (
-    ConfigError,
-    OrchestratorError,
-    UnsupportedFeatureError,
-    WorkspaceError,
-)
+`from orchestrator import TrainingProject, push, ...` works as usual, but the names load on
+first use: node agents and controllers import `orchestrator.<module>` in every new Ray worker,
+on every job's critical path, and must not pay for the spec and client they do not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
+_CLIENT_API = ("push", "get_job", "list_jobs", "list_projects")
+_ERRORS = ("ConfigError", "OrchestratorError", "UnsupportedFeatureError", "WorkspaceError")
 
-__all__ = [
-    "ConfigError",
-    "OrchestratorError",
-    "UnsupportedFeatureError",
-    "WorkspaceError",
-    "definitions",
-    "get_job",
-    "list_jobs",
-    "list_projects",
-    "push",
-    *_definitions_all,
-]
+
+def __getattr__(name: str) -> Any:
+    if name == "__all__":  # `from orchestrator import *`
+        return _public_names()
+    if name == "definitions":
+        return importlib.import_module("orchestrator.definitions")
+    if name in _CLIENT_API:
+        return getattr(importlib.import_module("orchestrator.client.api"), name)
+    if name in _ERRORS:
+        return getattr(importlib.import_module("orchestrator.errors"), name)
+    definitions = importlib.import_module("orchestrator.definitions")
+    if name in definitions.__all__:
+        return getattr(definitions, name)
+    raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_public_names())
+
+
+def _public_names() -> list[str]:
+    from orchestrator.definitions import __all__ as spec_names
+
+    return [*_CLIENT_API, *_ERRORS, "definitions", *spec_names]
