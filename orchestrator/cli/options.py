@@ -14,7 +14,7 @@ Address = Annotated[
 StorageRootOption = Annotated[
     str | None,
     typer.Option("--storage-root", help="fsspec URL of the storage root; default: "
-                 "$ORCHESTRATOR_STORAGE_ROOT, else ~/.orchestrator/storage"),
+                 "$ORCHESTRATOR_STORAGE_ROOT, else $ORCHESTRATOR_HOME/storage"),
 ]  # fmt: skip
 JobId = Annotated[
     str | None, typer.Option("--job-id", help="Default: the most recent job (said so)")

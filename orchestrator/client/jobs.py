@@ -131,9 +131,8 @@ class JobHandle:
             return str(self._client().get_job_status(self.id).value)
         except (ConnectionError, requests.exceptions.ConnectionError):
             self._ray_client = None
-            # Nothing answers. On this machine that means the cluster is gone; a remote one
-            # may only be out of reach, so its stored status stands.
-            on_this_machine = Connection(self.record.ray_address or "", False).on_this_machine
-            return _GONE if on_this_machine else None
+            # Nothing answers. Our own embedded cluster gone means its jobs are gone; any other
+            # cluster (a tunnel, a remote head) may only be out of reach: trust the record.
+            return _GONE if self.record.embedded_cluster else None
         except Exception:
             return None

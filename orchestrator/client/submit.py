@@ -15,6 +15,7 @@ from orchestrator.client.prepare import PreparedJob
 from orchestrator.client.workspace import write_archive
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
+from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus
 from orchestrator.storage.root import StorageRoot
@@ -43,6 +44,7 @@ def store_job(
     ray_address: str | None,
     submitted_via: str = "push",
     colocate_ranks: bool = False,
+    embedded: bool = False,
 ) -> JobRecord:
     """Upload the code archive (skipped if the same bytes are stored) and write the record."""
     store = JobStore(root)
@@ -68,6 +70,8 @@ def store_job(
         ray_address=ray_address,
         submitted_via=submitted_via,
         colocate_ranks=colocate_ranks,
+        embedded_cluster=embedded,
+        checkpoint_upload=UploadSettings.from_env(),
         notices=list(prepared.warnings),
     )
     store.create(record, JobStatus.new(job_id, "submitted"))
@@ -75,10 +79,10 @@ def store_job(
 
 
 def controller_entrypoint(job_id: str, root: StorageRoot, connection: Connection) -> str:
-    # A cluster on this machine runs the controller here: use this very interpreter, which has
-    # orchestrator installed. A remote cluster uses its own `python` (or $ORCHESTRATOR_PYTHON).
+    # The embedded cluster runs the controller here: use this very interpreter, which has
+    # orchestrator installed. Any other cluster uses its own `python` (or $ORCHESTRATOR_PYTHON).
     python = os.environ.get(REMOTE_PYTHON_ENV) or (
-        sys.executable if connection.on_this_machine else "python"
+        sys.executable if connection.embedded else "python"
     )
     return " ".join(
         shlex.quote(part)
@@ -91,7 +95,8 @@ def controller_entrypoint(job_id: str, root: StorageRoot, connection: Connection
 
 def check_storage_reachable(connection: Connection, root: StorageRoot) -> None:
     """A cluster elsewhere cannot read a directory on this machine: refuse before creating."""
-    if root.is_local and not connection.on_this_machine and not os.environ.get(SHARED_FS_ENV):
+    shared = os.environ.get(SHARED_FS_ENV, "") not in ("", "0", "false")
+    if root.is_local and not connection.on_this_machine and not shared:
         raise OrchestratorError(
             f"the storage root {root.url} is a local directory, but the cluster at "
             f"{connection.address} is another machine and cannot read it. Use an object store "
@@ -109,7 +114,10 @@ def submit(
     """Store the job, then submit its Ray job (submission id = job id)."""
     check_storage_reachable(connection, root)
     job_id = new_job_id()
-    record = store_job(prepared, root, job_id, connection.address, colocate_ranks=colocate_ranks)
+    record = store_job(
+        prepared, root, job_id, connection.address, colocate_ranks=colocate_ranks,
+        embedded=connection.embedded,
+    )  # fmt: skip
     image = prepared.project.job.image.base_image
     try:
         connection.client().submit_job(

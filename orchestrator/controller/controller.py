@@ -21,6 +21,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.agents.node_agent import NodeAgent
 from orchestrator.agents.rendezvous import Rendezvous
+from orchestrator.controller.checkpointing import (
+    CheckpointNotFound,
+    Uploaders,
+    resolve_checkpoints,
+)
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
 from orchestrator.lifecycle import JobState
@@ -65,6 +70,7 @@ class JobController:
         self.agents: list[Any] = []
         self.helpers: list[Any] = []  # the rendezvous (and later: uploaders) to end with the job
         self.rendezvous: Any = None
+        self.uploaders: Uploaders | None = None
 
     # --- state -----------------------------------------------------------------------------
 
@@ -99,7 +105,7 @@ class JobController:
             self._run_commands()
         except JobStopped:
             self._stop_agents()
-            self.move(JobState.STOPPED, "stopped by user")
+            self._finish(JobState.STOPPED, "stopped by user")
         except DeployFailed as e:
             self.move(JobState.DEPLOY_FAILED, e.failure.cause, failure=e.failure)
         except Exception as e:  # a bug or an infrastructure failure: record it, never hang
@@ -156,6 +162,13 @@ class JobController:
         self._check_stop()
         compute = self.record.spec.job.compute
         self.move(JobState.DEPLOYING, f"preparing {compute.node_count} node(s)")
+        try:
+            loads = resolve_checkpoints(self.record, self.store)
+        except CheckpointNotFound as e:
+            raise DeployFailed(Failure(cause=str(e))) from None
+        if loads:
+            names = sorted({f"{m.job_id}/{m.name}" for m in loads})
+            self.say(f"loading checkpoint(s) {', '.join(names)} on every node")
         bundle = bundles_for(compute)[0]
         # Created with the agents, so its worker starts while they prepare (not after).
         self.rendezvous = (
@@ -191,15 +204,27 @@ class JobController:
                 ).remote(self.record.job_id, rank, self.record.storage_root)
             )
         job = self.record.spec.job
-        checkpoint_dir = job.runtime.checkpointing_config.checkpoint_path
         secret_names = sorted({ref.name for ref in job.runtime.secret_references().values()})
         archive = self.record.archive
+        load_config = job.runtime.load_checkpoint_config
+        load_folder = load_config.download_folder if load_config else None
         refs = [
-            agent.prepare.remote(archive.path, archive.sha256, checkpoint_dir, secret_names)
+            agent.prepare.remote(
+                archive.path,
+                archive.sha256,
+                job.runtime.checkpointing_config.checkpoint_path,
+                secret_names,
+                [m.model_dump() for m in loads],
+                load_folder,
+            )
             for agent in self.agents
         ]
         infos = self._gather(refs, "preparing the node")
-        self.status = self.status.model_copy(update={"nodes": [NodeInfo(**i) for i in infos]})
+        nodes = [NodeInfo(**i) for i in infos]
+        self.status = self.status.model_copy(update={"nodes": nodes})
+        if job.runtime.checkpointing_config.enabled:
+            self.uploaders = Uploaders(self.record, self.pg, nodes)
+            self.helpers += self.uploaders.actors
 
     def _gather(self, refs: list[Any], what: str) -> list[Any]:
         pending = list(refs)
@@ -232,20 +257,44 @@ class JobController:
                 job.compute.gpus_per_node,
             )
             threading.Thread(target=self._consume, args=(stream, result), daemon=True).start()
+        over_volume = None
         while not all(r.done.is_set() for r in results):
             if self.stop_requested.is_set():
                 raise JobStopped()
             failed = next((r for r in results if r.done.is_set() and _failed(r)), None)
             if failed is not None:
                 break  # gang failure: one rank's failure ends the job
+            if self.uploaders is not None:
+                events, over_volume = self.uploaders.poll()
+                self._say_lines(events)
+                if over_volume:
+                    break
             time.sleep(POLL_S)
         self.logs.flush()
         failed = next((r for r in results if r.done.is_set() and _failed(r)), None)
-        if failed is None:
-            self.move(JobState.COMPLETED, "all commands exited 0")
+        if failed is None and over_volume is None:
+            self._finish(JobState.COMPLETED, "all commands exited 0")
             return
         self._stop_agents()
-        self.move(JobState.FAILED, _failure_of(failed).cause, failure=_failure_of(failed))
+        failure = _failure_of(failed) if failed is not None else Failure(cause=str(over_volume))
+        self._finish(JobState.FAILED, failure.cause, failure=failure)
+
+    def _finish(self, state: JobState, reason: str, **updates: Any) -> None:
+        """Flush the checkpoints still on the nodes, then record the final state."""
+        if self.uploaders is not None:
+            self.say("uploading the checkpoints still on the nodes")
+            events, summary = self.uploaders.flush()
+            self._say_lines(events)
+            if not summary.all_uploaded:
+                missing = [*summary.pending, *summary.failed]
+                self.say(f"checkpoints not uploaded: {', '.join(missing)}")
+            updates["checkpoints"] = summary
+        self.move(state, reason, **updates)
+
+    def _say_lines(self, lines: list[str]) -> None:
+        if lines:
+            print("\n".join(lines), flush=True)
+            self.logs.write(lines)
 
     def _consume(self, stream: Any, result: _RankResult) -> None:
         try:
@@ -270,9 +319,11 @@ class JobController:
             self.say(f"stopping the commands: {_short_error(e)}")
 
     def _release(self) -> None:
+        summary = self.status.checkpoints
+        keep = summary is None or not summary.all_uploaded
         for agent in self.agents:
             with contextlib.suppress(Exception):  # a dead node's scratch went with it
-                ray.get(agent.cleanup.remote(), timeout=10)
+                ray.get(agent.cleanup.remote(keep_checkpoints=keep), timeout=10)
             ray.kill(agent)
         for helper in self.helpers:
             ray.kill(helper)

@@ -2,8 +2,29 @@
 
 from __future__ import annotations
 
+from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.records import JobRecord, NodeInfo
+
+
+def _node_job_dir(node: NodeInfo) -> str:
+    assert node.working_dir is not None
+    return node.working_dir.rsplit("/", 1)[0]
+
+
+def checkpoint_dir(record: JobRecord, node: NodeInfo) -> str:
+    """`checkpoint_path` if set, else a directory private to this job on the node."""
+    path = record.spec.job.runtime.checkpointing_config.checkpoint_path
+    return path or f"{_node_job_dir(node)}/checkpoints"
+
+
+def load_dir(record: JobRecord, node: NodeInfo) -> str:
+    """`download_folder`; its shared default becomes a directory private to this job."""
+    load = record.spec.job.runtime.load_checkpoint_config
+    folder = load.download_folder if load is not None else DEFAULT_DOWNLOAD_FOLDER
+    if folder == DEFAULT_DOWNLOAD_FOLDER:
+        return f"{_node_job_dir(node)}/loaded_checkpoints"
+    return folder
 
 
 def job_environment(record: JobRecord, node: NodeInfo) -> dict[str, str]:
@@ -24,11 +45,11 @@ def job_environment(record: JobRecord, node: NodeInfo) -> dict[str, str]:
         "BT_SCRATCH_DIR": scratch,
         "BT_RETRY_COUNT": "0",
     }
-    checkpointing = job.runtime.checkpointing_config
-    if checkpointing.enabled:
-        env["BT_CHECKPOINT_DIR"] = checkpointing.checkpoint_path or (
-            node.working_dir.rsplit("/", 1)[0] + "/checkpoints"
-        )
+    if job.runtime.checkpointing_config.enabled:
+        env["BT_CHECKPOINT_DIR"] = checkpoint_dir(record, node)
+    load = job.runtime.load_checkpoint_config
+    if load is not None and load.enabled:
+        env["BT_LOAD_CHECKPOINT_DIR"] = load_dir(record, node)
     for name, value in job.runtime.environment_variables.items():
         if not isinstance(value, SecretReference):
             env[name] = value

@@ -8,6 +8,9 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from orchestrator.spec.base import AbsolutePath, SafeName, StrictModel
 
+# Baseten's default. On a shared node it would mix jobs, so orchestrator makes it job-private.
+DEFAULT_DOWNLOAD_FOLDER = "/tmp/loaded_checkpoints"
+
 
 class CheckpointingConfig(StrictModel):
     """`enabled` gives every node `$BT_CHECKPOINT_DIR`, uploaded in the background."""
@@ -82,7 +85,7 @@ class LoadCheckpointConfig(StrictModel):
     checkpoints: list[CheckpointReference] = Field(
         default_factory=lambda: [_BasetenLatestCheckpoint()]
     )
-    download_folder: AbsolutePath = "/tmp/loaded_checkpoints"
+    download_folder: AbsolutePath = DEFAULT_DOWNLOAD_FOLDER
 
     @model_validator(mode="after")
     def _some_checkpoint(self) -> LoadCheckpointConfig:

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.lifecycle import JobState, check_transition
 from orchestrator.spec.training import TrainingProject
+from orchestrator.storage.checkpoints import UploadSettings
 
 
 class _Record(BaseModel):
@@ -34,8 +35,10 @@ class JobRecord(_Record):
     archive: ArchiveRef
     storage_root: str
     ray_address: str | None = None
+    embedded_cluster: bool = False  # the local cluster orchestrator started on this machine
     submitted_via: str = "push"  # push | ray-job-submit
     colocate_ranks: bool = False  # all ranks on one node (a development machine)
+    checkpoint_upload: UploadSettings = Field(default_factory=UploadSettings)
     notices: list[str] = Field(default_factory=list)
 
 
@@ -63,12 +66,22 @@ class NodeInfo(_Record):
     working_dir: str | None = None
 
 
+class CheckpointSummary(_Record):
+    """Whether every checkpoint reached the storage root when the job ended."""
+
+    uploaded: list[str] = Field(default_factory=list)  # "rank-0/checkpoint-100"
+    pending: list[str] = Field(default_factory=list)
+    failed: dict[str, str] = Field(default_factory=dict)
+    all_uploaded: bool = True
+
+
 class JobStatus(_Record):
     job_id: str
     state: JobState
     history: list[StatusEvent]
     failure: Failure | None = None
     nodes: list[NodeInfo] = Field(default_factory=list)
+    checkpoints: CheckpointSummary | None = None
 
     @classmethod
     def new(cls, job_id: str, reason: str | None = None) -> JobStatus:

@@ -1,0 +1,163 @@
+"""The controller's side of checkpoints: resolving checkpoints to load, and the node uploaders."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator.agents.checkpoint_uploader import CheckpointUploader
+from orchestrator.controller.environment import checkpoint_dir
+from orchestrator.errors import OrchestratorError
+from orchestrator.spec.checkpoints import (
+    _BasetenLatestCheckpoint,
+    _BasetenNamedCheckpoint,
+    _LoopsCheckpoint,
+)
+from orchestrator.storage.checkpoints import CheckpointStore, Manifest
+from orchestrator.storage.job_store import JobNotFound, JobStore
+from orchestrator.storage.records import CheckpointSummary, JobRecord, NodeInfo
+
+POLL_EVERY_S = 1.0
+
+
+class CheckpointNotFound(OrchestratorError):
+    pass
+
+
+def resolve_checkpoints(record: JobRecord, store: JobStore) -> list[Manifest]:
+    """The checkpoints `load_checkpoint_config` names, every rank's copy of each.
+
+    Raises CheckpointNotFound naming the first reference that matches nothing.
+    """
+    load = record.spec.job.runtime.load_checkpoint_config
+    if load is None or not load.enabled:
+        return []
+    checkpoints = CheckpointStore(store.root)
+    found: list[Manifest] = []
+    for i, ref in enumerate(load.checkpoints):
+        where = f"load_checkpoint_config.checkpoints[{i}]"
+        if isinstance(ref, _LoopsCheckpoint):
+            raise CheckpointNotFound(f"{where}: Loops checkpoints are not available here")
+        if isinstance(ref, _BasetenNamedCheckpoint):
+            project = _project_of(ref.job_id, store, where)
+            matches = [
+                m for m in checkpoints.list(project, ref.job_id) if m.name == ref.checkpoint_name
+            ]
+            if not matches:
+                raise CheckpointNotFound(
+                    f"{where}: job {ref.job_id} has no checkpoint named {ref.checkpoint_name!r}"
+                )
+            found += matches
+            continue
+        assert isinstance(ref, _BasetenLatestCheckpoint)
+        found += _latest(ref, record, store, checkpoints, where)
+    return found
+
+
+def _latest(
+    ref: _BasetenLatestCheckpoint,
+    record: JobRecord,
+    store: JobStore,
+    checkpoints: CheckpointStore,
+    where: str,
+) -> list[Manifest]:
+    if ref.job_id:
+        project = ref.project_name or _project_of(ref.job_id, store, where)
+        candidates = [ref.job_id]
+        scope = f"job {ref.job_id}"
+    else:
+        project = ref.project_name or record.project
+        jobs = [r for r in store.records() if r.project == project and r.job_id != record.job_id]
+        candidates = [r.job_id for r in sorted(jobs, key=lambda r: r.created_at, reverse=True)]
+        scope = f"project {project!r}"
+    for job_id in candidates:
+        manifests = checkpoints.list(project, job_id)
+        if manifests:
+            newest = max(manifests, key=lambda m: m.created_at).name
+            return [m for m in manifests if m.name == newest]
+    raise CheckpointNotFound(f"{where}: {scope} has no uploaded checkpoint to load")
+
+
+def _project_of(job_id: str, store: JobStore, where: str) -> str:
+    try:
+        return store.record(job_id).project
+    except JobNotFound:
+        raise CheckpointNotFound(f"{where}: no job {job_id!r} in {store.root.url}") from None
+
+
+class Uploaders:
+    """One CheckpointUploader per rank, in that rank's bundle; polled while the job runs."""
+
+    def __init__(self, record: JobRecord, pg: PlacementGroup, nodes: list[NodeInfo]) -> None:
+        job = record.spec.job
+        settings = record.checkpoint_upload.model_dump()
+        self.actors = [
+            ray.remote(CheckpointUploader)
+            .options(
+                name=f"orchestrator-{record.job_id}-uploader-{node.rank}",
+                namespace="orchestrator",
+                num_cpus=0,
+                # A killed uploader comes back and redoes what it had not committed.
+                max_restarts=-1,
+                max_task_retries=-1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=node.rank
+                ),
+            )
+            .remote(
+                record.project,
+                record.job_id,
+                node.rank,
+                record.storage_root,
+                checkpoint_dir(record, node),
+                settings,
+                job.runtime.checkpointing_config.volume_size_gib,
+            )
+            for node in nodes
+        ]
+        self.flush_timeout_s = record.checkpoint_upload.flush_timeout_s
+        self._cursors = [0] * len(self.actors)
+        self._last_poll = 0.0
+
+    def poll(self) -> tuple[list[str], str | None]:
+        """New event lines, and the over-volume error of a rank if one is over (at most 1/s)."""
+        if time.monotonic() - self._last_poll < POLL_EVERY_S:
+            return [], None
+        self._last_poll = time.monotonic()
+        lines: list[str] = []
+        over = None
+        for i, actor in enumerate(self.actors):
+            try:
+                state = ray.get(actor.poll.remote(self._cursors[i]), timeout=10)
+            except Exception:
+                continue  # restarting; the final flush reports it
+            lines += state["events"]
+            self._cursors[i] = state["next"]
+            over = over or state["over_volume"]
+        return lines, over
+
+    def flush(self) -> tuple[list[str], CheckpointSummary]:
+        """Upload what is left on every rank, within the flush deadline."""
+        refs = [a.flush.remote(self.flush_timeout_s) for a in self.actors]
+        lines: list[str] = []
+        uploaded: list[str] = []
+        pending: list[str] = []
+        failed: dict[str, str] = {}
+        for rank, (ref, cursor) in enumerate(zip(refs, self._cursors, strict=True)):
+            try:
+                result = ray.get(ref, timeout=self.flush_timeout_s + 30)
+            except Exception as e:
+                failed[f"rank-{rank}"] = f"uploader unreachable: {type(e).__name__}"
+                continue
+            lines += result["events"][cursor:]
+            uploaded += [f"rank-{rank}/{n}" for n in result["uploaded"]]
+            pending += [f"rank-{rank}/{n}" for n in result["pending"]]
+            failed |= {f"rank-{rank}/{n}": why for n, why in result["failed"].items()}
+        summary = CheckpointSummary(
+            uploaded=uploaded, pending=pending, failed=failed,
+            all_uploaded=not pending and not failed,
+        )  # fmt: skip
+        return lines, summary
