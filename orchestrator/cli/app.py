@@ -16,6 +16,7 @@ from orchestrator.cli import (
     cmd_validate,
     cmd_view,
 )
+from orchestrator.cli.cmd_checkpoints import checkpoints_app
 from orchestrator.cli.cmd_cluster import cluster_app
 from orchestrator.errors import ConfigError, OrchestratorError
 
@@ -34,6 +35,7 @@ app.command("view")(cmd_view.view)
 app.command("stop")(cmd_stop.stop)
 app.command("run")(cmd_run.run)
 app.add_typer(cluster_app, name="cluster")
+app.add_typer(checkpoints_app, name="checkpoints")
 
 _stderr = Console(stderr=True)
 

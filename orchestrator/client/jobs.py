@@ -9,6 +9,7 @@ from typing import Any
 from orchestrator.client.connection import Connection
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
+from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.logs import read_logs
 from orchestrator.storage.records import Failure, JobRecord, JobStatus
@@ -110,11 +111,9 @@ class JobHandle:
             raise OrchestratorError(f"could not stop job {self.id}: {e}") from e
         return self.wait(timeout)
 
-    def checkpoints(self) -> list[dict[str, Any]]:
-        raise OrchestratorError(
-            "listing checkpoints is not implemented yet: checkpoints stay in each node's "
-            "$BT_CHECKPOINT_DIR for now"
-        )
+    def checkpoints(self) -> list[Manifest]:
+        """This job's uploaded checkpoints, every rank's, oldest first."""
+        return CheckpointStore(self._store.root).list(self.project, self.id)
 
     def _client(self) -> Any:
         address = self.record.ray_address

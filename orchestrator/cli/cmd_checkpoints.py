@@ -1,0 +1,230 @@
+"""`orchestrator checkpoints list|download`: uploaded checkpoints, read off the storage root."""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import re
+import shutil
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from orchestrator.cli.jobs_common import pick_job
+from orchestrator.cli.options import JobId, Project, StorageRootOption
+from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json
+from orchestrator.client.api import latest_job, list_jobs
+from orchestrator.client.connection import storage
+from orchestrator.client.jobs import JobHandle
+from orchestrator.errors import OrchestratorError
+from orchestrator.storage.checkpoints import CheckpointStore, Manifest
+
+checkpoints_app = typer.Typer(
+    help="List and download the checkpoints jobs uploaded.", no_args_is_help=True
+)
+# Notices and progress go to stderr where stdout must stay machine-readable (JSON, a path).
+_stderr = Console(stderr=True, highlight=False)
+
+
+class SortKey(str, enum.Enum):
+    created = "created"
+    size = "size"
+    name = "name"
+
+
+class SortOrder(str, enum.Enum):
+    asc = "asc"
+    desc = "desc"
+
+
+@checkpoints_app.command("list")
+def list_checkpoints(
+    job_id: JobId = None,
+    project: Annotated[
+        str | None,
+        typer.Option("--project", help="Without --job-id: every checkpoint of this project's jobs"),
+    ] = None,
+    storage_root: StorageRootOption = None,
+    sort: Annotated[SortKey, typer.Option("--sort")] = SortKey.created,
+    order: Annotated[SortOrder, typer.Option("--order")] = SortOrder.asc,
+    output: Annotated[OutputFormat, typer.Option("-o", "--output")] = OutputFormat.text,
+) -> None:
+    """List one job's checkpoints (default: the most recent job's) or a whole project's."""
+    if project and not job_id:
+        jobs = list_jobs(project, storage_root=storage_root)
+        found = sorted(
+            (m for j in jobs for m in j.checkpoints()), key=lambda m: (m.created_at, m.node_rank)
+        )
+        scope = f"project {project!r}"
+    else:
+        job = _pick_job(job_id, project, storage_root, notice_on_stderr=output is OutputFormat.json)
+        found = job.checkpoints()
+        scope = f"job {job.id}"
+    found = _sorted(found, sort, order)
+    if output is OutputFormat.json:
+        print_json([_row(m) for m in found])
+        return
+    if not found:
+        console.print(f"no checkpoints in {scope}")
+        return
+    table = Table(title=f"checkpoints of {scope}")
+    for column in ("checkpoint", "job id", "rank", "type", "size", "files", "created"):
+        table.add_column(column, justify="right" if column in ("rank", "size", "files") else "left")
+    for m in found:
+        table.add_row(m.name, m.job_id, str(m.node_rank), _type(m), human_bytes(m.size_bytes),
+                      str(len(m.files)), _when(m.created_at))  # fmt: skip
+    console.print(table)
+
+
+@checkpoints_app.command("download")
+def download(
+    job_id: JobId = None,
+    project: Project = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="Checkpoint name; default: the newest")
+    ] = None,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            "--rank", help="Node rank; default: 0 if it has the checkpoint, else the lowest"
+        ),
+    ] = None,
+    target_directory: Annotated[
+        Path | None,
+        typer.Option("--target-directory", help="Default: ./<job_id>-checkpoints"),
+    ] = None,
+    storage_root: StorageRootOption = None,
+) -> None:
+    """Download one checkpoint into TARGET_DIRECTORY/<name>/ and print where it went."""
+    job = _pick_job(job_id, project, storage_root, notice_on_stderr=True)
+    manifest = _choose(job, name, rank)
+    dest = (target_directory or Path(f"{job.id}-checkpoints")) / manifest.name
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise OrchestratorError(
+            f"{dest} already exists and is not empty: remove it or pick another --target-directory"
+        )
+    created = _first_missing(dest)
+    store = CheckpointStore(storage(storage_root))
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn())  # fmt: skip
+    try:
+        with Progress(*columns, console=_stderr) as progress:
+            task = progress.add_task(
+                f"{manifest.name} (rank {manifest.node_rank})", total=manifest.size_bytes
+            )
+            store.download(manifest, dest, progress=lambda n: progress.advance(task, n))
+    except (OSError, KeyboardInterrupt) as e:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise OrchestratorError(f"download of {manifest.key} failed, nothing kept: {e}") from e
+    print(dest.resolve())
+
+
+def _pick_job(
+    job_id: str | None, project: str | None, storage_root: str | None, *, notice_on_stderr: bool
+) -> JobHandle:
+    if job_id or not notice_on_stderr:
+        job = pick_job(job_id, project, storage_root)
+    else:
+        job = latest_job(project, storage_root=storage_root)
+        _stderr.print(f"[dim]no --job-id given: using the most recent job, {job.id}[/dim]")
+    if project and job.project != project:
+        raise OrchestratorError(f"job {job.id} belongs to project {job.project!r}, not {project!r}")
+    return job
+
+
+def _choose(job: JobHandle, name: str | None, rank: int | None) -> Manifest:
+    """The checkpoint asked for; an error that lists what exists when nothing matches."""
+    every = job.checkpoints()
+    if not every:
+        raise OrchestratorError(f"job {job.id} has no uploaded checkpoints")
+    found = every
+    if rank is not None:
+        found = [m for m in found if m.node_rank == rank]
+        if not found:
+            raise OrchestratorError(
+                f"rank {rank} of job {job.id} uploaded no checkpoints; it has: {_inventory(every)}"
+            )
+    if name is None:
+        name = found[-1].name
+    found = [m for m in found if m.name == name]
+    if not found:
+        raise OrchestratorError(
+            f"job {job.id} has no checkpoint {name!r}"
+            + (f" from rank {rank}" if rank is not None else "")
+            + f"; it has: {_inventory(every)}"
+        )
+    if rank is None:
+        return next((m for m in found if m.node_rank == 0), min(found, key=lambda m: m.node_rank))
+    return found[-1]
+
+
+def _inventory(manifests: list[Manifest]) -> str:
+    """`checkpoint-1 (ranks 0, 1), checkpoint-2 (rank 0)`, oldest first."""
+    ranks: dict[str, list[int]] = {}
+    for m in manifests:
+        ranks.setdefault(m.name, []).append(m.node_rank)
+    return ", ".join(
+        f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)))})"
+        for n, r in ranks.items()
+    )
+
+
+def _first_missing(dest: Path) -> Path | None:
+    """The outermost directory a download into `dest` creates: what to remove if it fails."""
+    missing = None
+    for p in (dest, *dest.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _sorted(manifests: list[Manifest], sort: SortKey, order: SortOrder) -> list[Manifest]:
+    keys = {
+        SortKey.created: lambda m: (m.created_at, m.node_rank),
+        SortKey.size: lambda m: (m.size_bytes, m.created_at),
+        SortKey.name: lambda m: (_natural(m.name), m.job_id, m.node_rank),
+    }
+    return sorted(manifests, key=keys[sort], reverse=order is SortOrder.desc)
+
+
+def _natural(name: str) -> list[tuple[int, int | str]]:
+    """`checkpoint-20` before `checkpoint-100`."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p]
+
+
+def _type(m: Manifest) -> str:
+    if m.checkpoint_type == "lora":
+        return f"lora (r={m.lora_rank})" if m.lora_rank is not None else "lora"
+    return m.checkpoint_type
+
+
+def _when(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _row(m: Manifest) -> dict:
+    return {
+        "name": m.name,
+        "job_id": m.job_id,
+        "node_rank": m.node_rank,
+        "checkpoint_type": m.checkpoint_type,
+        "lora_rank": m.lora_rank,
+        "size_bytes": m.size_bytes,
+        "file_count": len(m.files),
+        "created_at": m.created_at,
+    }

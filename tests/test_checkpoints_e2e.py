@@ -1,0 +1,166 @@
+"""Checkpoints through real jobs on a local Ray: uploaded while running, flushed at the end,
+loaded into later jobs, and the mnist recipe resuming."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_job
+
+from orchestrator.client.api import push
+from orchestrator.client.jobs import JobHandle
+from orchestrator.client.overrides import Overrides
+from orchestrator.lifecycle import JobState
+from orchestrator.storage.checkpoints import CheckpointStore
+from orchestrator.storage.root import StorageRoot
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+MNIST = Path(__file__).resolve().parents[1] / "recipes" / "mnist-pytorch"
+
+CONFIG = """
+from orchestrator import definitions as d
+project = d.TrainingProject(
+    name="{project}",
+    job=d.TrainingJob(
+        image=d.Image(base_image="python:3.11"),
+        compute=d.Compute(memory="512Mi"),
+        runtime=d.Runtime(
+            start_commands=["python job.py"],
+            checkpointing_config=d.CheckpointingConfig(enabled=True),
+            load_checkpoint_config={load},
+        ),
+    ),
+)
+"""
+
+WRITER = """
+import os, pathlib, time
+root = pathlib.Path(os.environ["BT_CHECKPOINT_DIR"])
+def save(name, text):
+    tmp = root / f".{name}"
+    tmp.mkdir()
+    (tmp / "weights.txt").write_text(text)
+    tmp.rename(root / name)
+    print(f"saved {name}", flush=True)
+save("checkpoint-1", "first")
+time.sleep(float(os.environ.get("HOLD", "6")))
+save("checkpoint-2", "second")
+"""
+
+
+def checkpoint_job(directory: Path, project: str, script: str, load: str = "None") -> Path:
+    return make_job(directory, CONFIG.format(project=project, load=load), {"job.py": script})
+
+
+def names(job: JobHandle) -> list[str]:
+    store = CheckpointStore(StorageRoot(job.record.storage_root))
+    return [m.name for m in store.list(job.project, job.id)]
+
+
+def test_checkpoints_upload_while_running_and_flush_at_the_end(tmp_path, storage_root):
+    job = push(checkpoint_job(tmp_path / "job", "ckpt-writer", WRITER), storage_root=storage_root)
+    deadline = time.monotonic() + 60
+    while names(job) != ["checkpoint-1"]:
+        assert time.monotonic() < deadline, job.logs()
+        time.sleep(0.2)
+    assert job.status() == JobState.RUNNING, "checkpoint-1 must be uploaded while the job runs"
+    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+    assert names(job) == ["checkpoint-1", "checkpoint-2"]  # the last one by the final flush
+    summary = job.details().checkpoints
+    assert summary.all_uploaded and summary.uploaded == [
+        "rank-0/checkpoint-1",
+        "rank-0/checkpoint-2",
+    ]
+    assert any("[checkpoints] checkpoint checkpoint-1 uploaded" in line for line in job.logs())
+
+
+def test_a_stopped_job_flushes_its_checkpoints(tmp_path, storage_root, monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "3600")  # only the flush uploads
+    script = WRITER.replace('"6"', '"600"')
+    job = push(checkpoint_job(tmp_path / "job", "ckpt-stop", script), storage_root=storage_root)
+    deadline = time.monotonic() + 60
+    while not any(line.endswith("saved checkpoint-1") for line in job.logs()):
+        assert time.monotonic() < deadline, job.logs()
+        time.sleep(0.2)
+    assert names(job) == []
+    assert job.stop() == JobState.STOPPED
+    assert names(job) == ["checkpoint-1"]
+    assert job.details().checkpoints.all_uploaded
+
+
+READER = """
+import os, pathlib
+root = pathlib.Path(os.environ["BT_LOAD_CHECKPOINT_DIR"])
+for path in sorted(root.rglob("weights.txt")):
+    print(f"loaded {path.relative_to(root)}: {path.read_text()}", flush=True)
+"""
+
+
+def test_a_later_job_loads_the_latest_checkpoint_of_a_project(tmp_path, storage_root, monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "0")
+    first = push(checkpoint_job(tmp_path / "a", "ckpt-source", WRITER.replace('"6"', '"0"')),
+                 storage_root=storage_root)  # fmt: skip
+    assert first.wait(timeout=120) == JobState.COMPLETED
+    load = (
+        "d.LoadCheckpointConfig(enabled=True, checkpoints=["
+        "d.BasetenCheckpoint.from_latest_checkpoint(project_name='ckpt-source')])"
+    )
+    second = push(checkpoint_job(tmp_path / "b", "ckpt-reader", READER, load),
+                  storage_root=storage_root)  # fmt: skip
+    assert second.wait(timeout=120) == JobState.COMPLETED, second.logs()
+    assert any(
+        line.endswith("loaded rank-0/checkpoint-2/weights.txt: second") for line in second.logs()
+    )
+
+    named = (
+        "d.LoadCheckpointConfig(enabled=True, checkpoints=["
+        f"d.BasetenCheckpoint.from_named_checkpoint('checkpoint-1', job_id='{first.id}')])"
+    )
+    third = push(checkpoint_job(tmp_path / "c", "ckpt-reader", READER, named),
+                 storage_root=storage_root)  # fmt: skip
+    assert third.wait(timeout=120) == JobState.COMPLETED, third.logs()
+    loaded = [line for line in third.logs() if "loaded " in line]
+    assert len(loaded) == 1 and loaded[0].endswith("loaded rank-0/checkpoint-1/weights.txt: first")
+
+
+def test_a_reference_that_matches_nothing_fails_the_deploy(tmp_path, storage_root):
+    load = (
+        "d.LoadCheckpointConfig(enabled=True, checkpoints=["
+        "d.BasetenCheckpoint.from_latest_checkpoint(project_name='never-trained')])"
+    )
+    job = push(checkpoint_job(tmp_path / "job", "ckpt-reader", READER, load),
+               storage_root=storage_root)  # fmt: skip
+    assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
+    cause = job.details().failure.cause
+    assert "load_checkpoint_config.checkpoints[0]" in cause and "never-trained" in cause
+
+
+def test_the_mnist_recipe_resumes_from_its_latest_checkpoint(tmp_path, storage_root, monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "0")
+    short = Overrides(entrypoint="./run.sh --epochs 6 --checkpoint-every 3")
+    first = push(MNIST / "config.py", storage_root=storage_root, overrides=short)
+    assert first.wait(timeout=180) == JobState.COMPLETED, first.logs()[-20:]
+    assert names(first) == ["checkpoint-3", "checkpoint-6"]
+
+    resumed_dir = tmp_path / "mnist-resume"
+    shutil.copytree(MNIST, resumed_dir)
+    config = (
+        (resumed_dir / "config.py")
+        .read_text()
+        .replace(
+            "checkpointing_config=definitions.CheckpointingConfig(enabled=True),",
+            "checkpointing_config=definitions.CheckpointingConfig(enabled=True),\n"
+            "            load_checkpoint_config=definitions.LoadCheckpointConfig(enabled=True),",
+        )
+    )
+    (resumed_dir / "config.py").write_text(config)
+    second = push(resumed_dir / "config.py", storage_root=storage_root,
+                  overrides=Overrides(entrypoint="./run.sh --epochs 10"))  # fmt: skip
+    assert second.wait(timeout=180) == JobState.COMPLETED, second.logs()[-20:]
+    logs = second.logs()
+    assert any("resumed from" in line and "checkpoint-6 (epoch 6)" in line for line in logs)
+    assert not any("epoch 1/10" in line for line in logs)
+    assert any("final test accuracy: 0.9" in line for line in logs)
