@@ -164,3 +164,40 @@ def test_the_mnist_recipe_resumes_from_its_latest_checkpoint(tmp_path, storage_r
     assert any("resumed from" in line and "checkpoint-6 (epoch 6)" in line for line in logs)
     assert not any("epoch 1/10" in line for line in logs)
     assert any("final test accuracy: 0.9" in line for line in logs)
+
+
+RAY_TRAIN = """
+import os, tempfile
+import ray
+from ray import train
+from ray.train import Checkpoint, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+ray.init(address=os.environ["ORCHESTRATOR_RAY_ADDRESS"])  # the cluster running this job
+checkpoints = os.environ["BT_CHECKPOINT_DIR"]
+
+def loop(config):
+    for epoch in range(2):
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "model.txt"), "w") as f:
+                f.write(f"epoch {epoch}")
+            train.report({"epoch": epoch}, checkpoint=Checkpoint.from_directory(d))
+
+TorchTrainer(
+    loop,
+    scaling_config=ScalingConfig(num_workers=1),
+    # Each reported checkpoint becomes a top-level directory of $BT_CHECKPOINT_DIR.
+    run_config=RunConfig(storage_path=os.path.dirname(checkpoints),
+                         name=os.path.basename(checkpoints)),
+).fit()
+"""
+
+
+def test_ray_train_reports_land_in_the_checkpoint_layout(tmp_path, storage_root):
+    job = push(checkpoint_job(tmp_path / "job", "ray-train", RAY_TRAIN), storage_root=storage_root)
+    assert job.wait(timeout=240) == JobState.COMPLETED, "\n".join(job.logs()[-30:])
+    manifests = job.checkpoints()
+    assert len(manifests) == 2 and all(m.name.startswith("checkpoint_") for m in manifests)
+    store = CheckpointStore(StorageRoot(storage_root))
+    last = store.download(manifests[-1], tmp_path / "down")
+    assert (last / "model.txt").read_text() == "epoch 1"

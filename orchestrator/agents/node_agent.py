@@ -31,6 +31,8 @@ from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.root import StorageRoot
 
 NODE_ROOT_ENV = "ORCHESTRATOR_NODE_ROOT"
+# Not RAY_ADDRESS itself: a job may start a Ray head of its own, which that name would confuse.
+RAY_ADDRESS_ENV = "ORCHESTRATOR_RAY_ADDRESS"
 
 # Runs each command as the leader of its process group. If the agent dies without stopping it
 # (a killed worker, a lost node), the guard notices its parent is gone and kills the group, so
@@ -148,6 +150,8 @@ class NodeAgent:
         values = {var: resolve_secret(name) for var, name in secrets.items()}
         mask = SecretMasker(list(values.values()))
         group_env = group_environment(self.rank, group, gpus_per_node)
+        if address := _cluster_address():
+            group_env[RAY_ADDRESS_ENV] = address
         # The node's secret store (ORCHESTRATOR_SECRET_*) is not the job's to read: it gets only
         # the secrets it names, under the names it chose.
         node_env = {k: v for k, v in os.environ.items() if not k.startswith(SECRET_ENV_PREFIX)}
@@ -245,6 +249,13 @@ class NodeAgent:
 
     def _tag(self, line: str) -> str:
         return f"[rank {self.rank} {time.strftime('%H:%M:%S')}] {line}"
+
+
+def _cluster_address() -> str | None:
+    """The GCS address of the cluster running this job, for code that joins it (Ray Train)."""
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address) if ray.is_initialized() else None
 
 
 def _guarded() -> list[str]:

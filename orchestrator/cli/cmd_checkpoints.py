@@ -22,7 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from orchestrator.cli.jobs_common import pick_job
-from orchestrator.cli.options import JobId, Project, StorageRootOption
+from orchestrator.cli.options import JobId, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json
 from orchestrator.client.api import latest_job, list_jobs
 from orchestrator.client.connection import storage
@@ -79,7 +79,10 @@ def list_checkpoints(
         console.print(f"no checkpoints in {scope}")
         return
     table = Table(title=f"checkpoints of {scope}")
-    for column in ("checkpoint", "job id", "rank", "type", "size", "files", "created"):
+    # never cut short or wrapped: they are what one copies into `download`
+    table.add_column("checkpoint", no_wrap=True, min_width=max(len(m.name) for m in found))
+    table.add_column("job id", no_wrap=True, min_width=max(len(m.job_id) for m in found))
+    for column in ("rank", "type", "size", "files", "created"):
         table.add_column(column, justify="right" if column in ("rank", "size", "files") else "left")
     for m in found:
         table.add_row(m.name, m.job_id, str(m.node_rank), _type(m), human_bytes(m.size_bytes),
@@ -90,7 +93,10 @@ def list_checkpoints(
 @checkpoints_app.command("download")
 def download(
     job_id: JobId = None,
-    project: Project = None,
+    project: Annotated[
+        str | None,
+        typer.Option("--project", help="Without --job-id: this project's most recent job"),
+    ] = None,
     name: Annotated[
         str | None, typer.Option("--name", help="Checkpoint name; default: the newest")
     ] = None,
@@ -116,7 +122,7 @@ def download(
         )
     created = _first_missing(dest)
     store = CheckpointStore(storage(storage_root))
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
                TransferSpeedColumn(), TimeRemainingColumn())  # fmt: skip
     try:
         with Progress(*columns, console=_stderr) as progress:
@@ -125,8 +131,9 @@ def download(
             )
             store.download(manifest, dest, progress=lambda n: progress.advance(task, n))
     except (OSError, KeyboardInterrupt) as e:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
+        shutil.rmtree(created or dest, ignore_errors=True)
+        if created is None:
+            dest.mkdir()  # it was there, empty, before
         if isinstance(e, KeyboardInterrupt):
             raise
         raise OrchestratorError(f"download of {manifest.key} failed, nothing kept: {e}") from e
