@@ -128,6 +128,7 @@ def _peak_rss_mb() -> float:
 class Run:
     way: str
     step_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)  # the training thread's CPU time
     is_ckpt: list[bool] = field(default_factory=list)
     write_s: list[float] = field(default_factory=list)  # local write, rename included
     upload_s: list[float] = field(default_factory=list)  # sync only: the blocking upload
@@ -135,8 +136,10 @@ class Run:
     loop_s: float = 0.0
     loop_cpu_s: float = 0.0
 
-    def median_plain(self) -> float:
-        return statistics.median(s for s, c in zip(self.step_s, self.is_ckpt, strict=True) if not c)
+    def median_plain(self, values: list[float] | None = None) -> float:
+        """Median over the steps that wrote no checkpoint."""
+        values = self.step_s if values is None else values
+        return statistics.median(v for v, c in zip(values, self.is_ckpt, strict=True) if not c)
 
     def mean_all(self) -> float:
         return statistics.mean(self.step_s)
@@ -181,7 +184,7 @@ def train(
         step()
     loop_start, cpu_start = time.perf_counter(), time.process_time()
     for i in range(1, args.steps + 1):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         step()
         ckpt = ckpt_dir is not None and i % args.every == 0
         if ckpt:
@@ -201,6 +204,7 @@ def train(
                 store.upload(ckpt_dir / name, PROJECT, JOB_ID, RANK, settings)
                 run.upload_s.append(time.perf_counter() - up)
         run.step_s.append(time.perf_counter() - start)
+        run.cpu_s.append(time.thread_time() - cpu)
         run.is_ckpt.append(ckpt)
     run.loop_s = time.perf_counter() - loop_start
     run.loop_cpu_s = time.process_time() - cpu_start
@@ -312,8 +316,9 @@ def report(
     print(f"CPUs: {extra['layout']}")
     print(f"load average: start {extra['load_start']}, end {extra['load_end']}\n")
     print(
-        f"{'way':<12} {'median plain step':>18} {'/none':>7} {'mean all steps':>15} "
-        f"{'/none':>7} {'loop wall':>10} {'local write/ckpt':>17} {'upload/ckpt':>12}"
+        f"{'way':<12} {'median plain step':>18} {'/none':>7} {'(its CPU)':>10} "
+        f"{'mean all steps':>15} {'/none':>7} {'loop wall':>10} {'local write/ckpt':>17} "
+        f"{'upload/ckpt':>12}"
     )
     for r in runs:
         write = f"{statistics.mean(r.write_s):.3f} s" if r.write_s else "-"
@@ -321,6 +326,7 @@ def report(
         median, mean = r.median_plain(), r.mean_all()
         print(
             f"{r.way:<12} {median * 1e3:>15.1f} ms {median / base_median:>6.3f}x"
+            f" {r.median_plain(r.cpu_s) * 1e3:>7.1f} ms"
             f" {mean * 1e3:>12.1f} ms {mean / base_mean:>6.3f}x"
             f" {r.loop_s:>8.2f} s {write:>17} {upload:>12}"
         )
@@ -335,19 +341,25 @@ def report(
         f"flush afterwards {res.flush['flush_s']:.2f} s, pending {res.flush['pending']}, "
         f"failed {res.flush['failed']}"
     )
-    print("async, per checkpoint during training: rename -> manifest created_at (upload itself)")
+    print("async, per checkpoint during training: rename -> manifest created_at")
+    print(f"  {'checkpoint':<16} {'latency':>8} {'of it upload':>13} {'waiting':>8}")
     for name, lat in res.latency_s.items():
-        print(f"  {name:<16} {lat:6.2f} s  ({res.took_s.get(name, float('nan')):.2f} s)")
+        took = res.took_s.get(name, float("nan"))
+        print(f"  {name:<16} {lat:>6.2f} s {took:>11.2f} s {lat - took:>6.2f} s")
     print("\nlatency probe, loop stopped, uploader idle:")
     print(
-        f"{'probe':<6} {'rename -> manifest seen':>24} {'uploader upload':>16} "
-        f"{'raw s3fs.put':>13} {'ratio':>7}"
+        f"{'probe':<6} {'rename -> manifest seen':>24} {'of it upload':>13} "
+        f"{'scan+settle':>12} {'raw s3fs.put':>13} {'ratio':>7} {'upload/raw':>11}"
     )
-    for k, (seen, took, raw) in enumerate(res.probes):
-        print(f"{k:<6} {seen:>22.2f} s {took:>14.2f} s {raw:>11.2f} s {seen / raw:>6.2f}x")
-    seen_med = statistics.median(p[0] for p in res.probes)
-    raw_med = statistics.median(p[2] for p in res.probes)
-    print(f"median {seen_med:>22.2f} s {'':>16} {raw_med:>11.2f} s {seen_med / raw_med:>6.2f}x")
+    rows = [(str(k), *probe) for k, probe in enumerate(res.probes)]
+    if len(rows) > 1:
+        rows.append(("median", *(statistics.median(p[i] for p in res.probes) for i in range(3))))
+    for label, seen, took, raw in rows:
+        print(
+            f"{label:<6} {seen:>22.2f} s {took:>11.2f} s {seen - took:>10.2f} s {raw:>11.2f} s"
+            f" {seen / raw:>6.2f}x {took / raw:>10.2f}x"
+        )
+    seen_med, raw_med = rows[-1][1], rows[-1][3]
     print(
         f"\nCPU seconds: training loop (async) {a.loop_cpu_s:.1f} over {a.loop_s:.1f} s wall; "
         f"uploader process {res.flush['cpu_s']:.1f}; moto process {extra['moto_cpu']:.1f}; "
@@ -375,7 +387,7 @@ def main() -> None:
         default=True,
         help="during the loops, training on one core, uploader and moto on the others",
     )
-    parser.add_argument("--probes", type=int, default=2, help="latency probes (rename vs put)")
+    parser.add_argument("--probes", type=int, default=1, help="latency probes (rename vs put)")
     args = parser.parse_args()
 
     import torch

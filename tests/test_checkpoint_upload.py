@@ -179,3 +179,32 @@ def test_a_killed_upload_shows_nothing_and_a_restarted_uploader_completes_it(roo
     assert (got / "shard-3.bin").read_bytes() == (
         local / "checkpoint-5" / "shard-3.bin"
     ).read_bytes()
+
+
+def test_an_earlier_jobs_leftovers_are_not_uploaded_as_this_jobs(tmp_path):
+    root = StorageRoot(tmp_path / "root")
+    local = tmp_path / "ckpts"
+    old = write_checkpoint(local / "checkpoint-50", {"w.bin": b"last week"})
+    for path in (old / "w.bin", old):
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
+    started = time.time() - 60
+    uploader = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 0}, None, started)
+    write_checkpoint(local / "checkpoint-1", {"w.bin": b"mine"})
+    result = uploader.flush(timeout=30)
+    assert result["uploaded"] == ["checkpoint-1"] and result["pending"] == []
+    assert any(
+        "skipping checkpoint-50: written before this job started" in e for e in result["events"]
+    )
+    assert [m.name for m in CheckpointStore(root).list("p", "j")] == ["checkpoint-1"]
+
+
+def test_a_failed_upload_is_reported_once(tmp_path):
+    root = StorageRoot(tmp_path / "root")
+    local = tmp_path / "ckpts"
+    write_checkpoint(local / "checkpoint-1", {"w.bin": b"x"})
+    (root.fs.mkdir(root.path("checkpoints/p/j/rank-0"), create_parents=True))
+    # A file where the checkpoint's directory must go makes every upload of it fail.
+    Path(root.path("checkpoints/p/j/rank-0/checkpoint-1")).write_text("in the way")
+    uploader = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 0})
+    result = uploader.flush(timeout=30)
+    assert result["pending"] == [] and list(result["failed"]) == ["checkpoint-1"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,14 @@ def names(job: JobHandle) -> list[str]:
     return [m.name for m in store.list(job.project, job.id)]
 
 
-def test_checkpoints_upload_while_running_and_flush_at_the_end(tmp_path, storage_root):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_checkpoints_upload_while_running_and_flush_at_the_end(tmp_path, storage_root, where):
+    if where == "s3":
+        import s3fs
+
+        bucket = f"ckpt-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem().mkdir(bucket)
+        storage_root = f"s3://{bucket}/orchestrator"
     job = push(checkpoint_job(tmp_path / "job", "ckpt-writer", WRITER), storage_root=storage_root)
     deadline = time.monotonic() + 60
     while names(job) != ["checkpoint-1"]:

@@ -32,12 +32,16 @@ class CheckpointUploader:
         local_dir: str,
         settings: dict[str, Any],
         volume_size_gib: int | None = None,
+        not_before: float = 0.0,
     ) -> None:
         self.project, self.job_id, self.rank = project, job_id, rank
         self.store = CheckpointStore(StorageRoot(storage_root))
         self.local_dir = Path(local_dir)
         self.settings = UploadSettings.model_validate(settings)
         self.volume_bytes = volume_size_gib * 2**30 if volume_size_gib else None
+        # A reused checkpoint_path may hold an earlier job's checkpoints: not this job's to upload.
+        self.not_before_ns = int(not_before * 1e9)
+        self.stale: set[str] = set()
         self.uploaded: dict[str, float] = {}  # name -> seconds the upload took
         self.failed: dict[str, str] = {}
         self.events: list[str] = []
@@ -53,6 +57,8 @@ class CheckpointUploader:
 
     def poll(self, since: int) -> dict[str, Any]:
         """Events after index `since`, and whether the directory is over its volume size."""
+        if since > len(self.events):  # a restarted uploader starts a new list
+            since = 0
         return {"events": self.events[since:], "next": len(self.events),
                 "over_volume": self.over_volume}  # fmt: skip
 
@@ -62,7 +68,11 @@ class CheckpointUploader:
         self._thread.join(timeout=5)
         deadline = time.monotonic() + (timeout or self.settings.flush_timeout_s)
         self._scan(final=True, deadline=deadline)
-        pending = [n for n in self._local_checkpoints() if n not in self.uploaded]
+        pending = [
+            n
+            for n in self._local_checkpoints()
+            if n not in self.uploaded and n not in self.failed and n not in self.stale
+        ]
         return {"uploaded": sorted(self.uploaded), "pending": pending, "failed": self.failed,
                 "events": self.events}  # fmt: skip
 
@@ -87,7 +97,11 @@ class CheckpointUploader:
             self._check_volume()
             now = time.monotonic()
             for name in self._local_checkpoints():
-                if name in self.uploaded or (not final and name in self.failed):
+                if (
+                    name in self.uploaded
+                    or name in self.stale
+                    or (not final and name in self.failed)
+                ):
                     continue
                 if deadline is not None and time.monotonic() > deadline:
                     self._event(f"checkpoint flush deadline passed; {name} not uploaded")
@@ -96,6 +110,10 @@ class CheckpointUploader:
                     self.uploaded[name] = 0.0  # a restarted uploader: already committed
                     continue
                 signature = _signature(self.local_dir / name)
+                if signature[2] < self.not_before_ns:
+                    self.stale.add(name)
+                    self._event(f"skipping {name}: written before this job started")
+                    continue
                 previous = self._seen.get(name)
                 if previous is None or previous[0] != signature:
                     self._seen[name] = (signature, now)

@@ -13,6 +13,7 @@ from pathlib import Path
 from orchestrator.client.connection import Connection
 from orchestrator.client.prepare import PreparedJob
 from orchestrator.client.workspace import write_archive
+from orchestrator.envflags import env_flag
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.checkpoints import UploadSettings
@@ -45,6 +46,7 @@ def store_job(
     submitted_via: str = "push",
     colocate_ranks: bool = False,
     embedded: bool = False,
+    upload_settings: UploadSettings | None = None,
 ) -> JobRecord:
     """Upload the code archive (skipped if the same bytes are stored) and write the record."""
     store = JobStore(root)
@@ -71,7 +73,7 @@ def store_job(
         submitted_via=submitted_via,
         colocate_ranks=colocate_ranks,
         embedded_cluster=embedded,
-        checkpoint_upload=UploadSettings.from_env(),
+        checkpoint_upload=upload_settings or UploadSettings.from_env(),
         notices=list(prepared.warnings),
     )
     store.create(record, JobStatus.new(job_id, "submitted"))
@@ -95,8 +97,7 @@ def controller_entrypoint(job_id: str, root: StorageRoot, connection: Connection
 
 def check_storage_reachable(connection: Connection, root: StorageRoot) -> None:
     """A cluster elsewhere cannot read a directory on this machine: refuse before creating."""
-    shared = os.environ.get(SHARED_FS_ENV, "") not in ("", "0", "false")
-    if root.is_local and not connection.on_this_machine and not shared:
+    if root.is_local and not connection.on_this_machine and not env_flag(SHARED_FS_ENV):
         raise OrchestratorError(
             f"the storage root {root.url} is a local directory, but the cluster at "
             f"{connection.address} is another machine and cannot read it. Use an object store "
@@ -113,10 +114,11 @@ def submit(
 ) -> JobRecord:
     """Store the job, then submit its Ray job (submission id = job id)."""
     check_storage_reachable(connection, root)
+    upload_settings = UploadSettings.from_env()  # a bad value is refused before anything exists
     job_id = new_job_id()
     record = store_job(
         prepared, root, job_id, connection.address, colocate_ranks=colocate_ranks,
-        embedded=connection.embedded,
+        embedded=connection.embedded, upload_settings=upload_settings,
     )  # fmt: skip
     image = prepared.project.job.image.base_image
     try:

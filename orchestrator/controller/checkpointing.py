@@ -54,7 +54,23 @@ def resolve_checkpoints(record: JobRecord, store: JobStore) -> list[Manifest]:
             continue
         assert isinstance(ref, _BasetenLatestCheckpoint)
         found += _latest(ref, record, store, checkpoints, where)
+    clashes = _clashes(found)
+    if clashes:
+        raise CheckpointNotFound(
+            f"load_checkpoint_config: {', '.join(clashes)} would be loaded from more than one "
+            "job into the same place; load one checkpoint of each name"
+        )
     return found
+
+
+def _clashes(manifests: list[Manifest]) -> list[str]:
+    seen: dict[tuple[int, str], str] = {}
+    clashes = []
+    for m in manifests:
+        key = (m.node_rank, m.name)
+        if seen.setdefault(key, m.job_id) != m.job_id:
+            clashes.append(f"rank-{m.node_rank}/{m.name}")
+    return clashes
 
 
 def _latest(
@@ -115,6 +131,7 @@ class Uploaders:
                 checkpoint_dir(record, node),
                 settings,
                 job.runtime.checkpointing_config.volume_size_gib,
+                record.created_at,
             )
             for node in nodes
         ]
@@ -131,7 +148,7 @@ class Uploaders:
         over = None
         for i, actor in enumerate(self.actors):
             try:
-                state = ray.get(actor.poll.remote(self._cursors[i]), timeout=10)
+                state = ray.get(actor.poll.remote(self._cursors[i]), timeout=2)
             except Exception:
                 continue  # restarting; the final flush reports it
             lines += state["events"]
@@ -139,16 +156,17 @@ class Uploaders:
             over = over or state["over_volume"]
         return lines, over
 
-    def flush(self) -> tuple[list[str], CheckpointSummary]:
-        """Upload what is left on every rank, within the flush deadline."""
-        refs = [a.flush.remote(self.flush_timeout_s) for a in self.actors]
+    def flush(self, timeout: float | None = None) -> tuple[list[str], CheckpointSummary]:
+        """Upload what is left on every rank, within `timeout` (else the flush deadline)."""
+        timeout = min(timeout or self.flush_timeout_s, self.flush_timeout_s)
+        refs = [a.flush.remote(timeout) for a in self.actors]
         lines: list[str] = []
         uploaded: list[str] = []
         pending: list[str] = []
         failed: dict[str, str] = {}
         for rank, (ref, cursor) in enumerate(zip(refs, self._cursors, strict=True)):
             try:
-                result = ray.get(ref, timeout=self.flush_timeout_s + 30)
+                result = ray.get(ref, timeout=timeout + 30)
             except Exception as e:
                 failed[f"rank-{rank}"] = f"uploader unreachable: {type(e).__name__}"
                 continue

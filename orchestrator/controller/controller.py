@@ -7,7 +7,6 @@ before the next step starts, so a reader (or a later controller) always sees the
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import sys
 import threading
@@ -28,6 +27,7 @@ from orchestrator.controller.checkpointing import (
 )
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
+from orchestrator.envflags import env_flag
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.job_store import JobStore
@@ -38,6 +38,7 @@ NAMESPACE = "orchestrator"
 IMAGE_URI_ENV = "ORCHESTRATOR_USE_IMAGE_URI"
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
+STOP_FLUSH_S = 40.0  # within the 60 s RAY_JOB_STOP_WAIT_TIME_S, after the commands' grace
 
 
 class JobStopped(Exception):
@@ -283,7 +284,9 @@ class JobController:
         """Flush the checkpoints still on the nodes, then record the final state."""
         if self.uploaders is not None:
             self.say("uploading the checkpoints still on the nodes")
-            events, summary = self.uploaders.flush()
+            # A stopping job has until Ray's stop grace (RAY_JOB_STOP_WAIT_TIME_S) runs out.
+            timeout = STOP_FLUSH_S if state == JobState.STOPPED else None
+            events, summary = self.uploaders.flush(timeout)
             self._say_lines(events)
             if not summary.all_uploaded:
                 missing = [*summary.pending, *summary.failed]
@@ -333,7 +336,7 @@ class JobController:
 
 def use_image_uri() -> bool:
     """Run agents in the job's base image (a cluster with podman/docker for Ray's image_uri)."""
-    return os.environ.get(IMAGE_URI_ENV, "") not in ("", "0", "false")
+    return env_flag(IMAGE_URI_ENV)
 
 
 def _failed(result: _RankResult) -> bool:

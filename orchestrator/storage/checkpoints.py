@@ -17,8 +17,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from orchestrator.envflags import env_flag
+from orchestrator.errors import ConfigError
 from orchestrator.storage.root import StorageRoot
 
 CHUNK = 8 * 1024 * 1024
@@ -48,6 +50,9 @@ class Manifest(BaseModel):
         return f"{self.job_id}/rank-{self.node_rank}/{self.name}"
 
 
+_ENV = "ORCHESTRATOR_CHECKPOINT_"
+
+
 class UploadSettings(BaseModel):
     """How a node's uploader behaves; chosen at push (ORCHESTRATOR_CHECKPOINT_* variables)."""
 
@@ -59,19 +64,20 @@ class UploadSettings(BaseModel):
 
     @classmethod
     def from_env(cls) -> UploadSettings:
-        env = os.environ
-        values: dict[str, object] = {}
-        for field, var, cast in (
-            ("concurrency", "ORCHESTRATOR_CHECKPOINT_CONCURRENCY", int),
-            ("bandwidth_mbps", "ORCHESTRATOR_CHECKPOINT_BANDWIDTH_MBPS", float),
-            ("settle_s", "ORCHESTRATOR_CHECKPOINT_SETTLE_S", float),
-            ("flush_timeout_s", "ORCHESTRATOR_CHECKPOINT_FLUSH_TIMEOUT_S", float),
-        ):
-            if env.get(var):
-                values[field] = cast(env[var])
-        if env.get("ORCHESTRATOR_CHECKPOINT_DELETE_LOCAL"):
-            values["delete_local"] = env["ORCHESTRATOR_CHECKPOINT_DELETE_LOCAL"] not in ("0", "")
-        return cls(**values)
+        """Settings from ORCHESTRATOR_CHECKPOINT_*; a bad value is a ConfigError naming it."""
+        values: dict[str, object] = {"delete_local": env_flag(f"{_ENV}DELETE_LOCAL")}
+        for field in ("concurrency", "bandwidth_mbps", "settle_s", "flush_timeout_s"):
+            var = f"{_ENV}{field.upper()}"
+            if os.environ.get(var):
+                values[field] = os.environ[var]
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            problems = [
+                f"{_ENV}{str(err['loc'][0]).upper()}: {err['msg']} (got {err['input']!r})"
+                for err in e.errors(include_url=False)
+            ]
+            raise ConfigError("Invalid checkpoint upload settings:", problems) from None
 
 
 def files_dir(project: str, job_id: str, rank: int, name: str) -> str:
