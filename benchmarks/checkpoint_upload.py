@@ -1,17 +1,19 @@
 """What checkpoint upload costs the training loop, and how fast a checkpoint reaches storage.
 
 A CPU training loop (an MLP, one torch thread) writes a checkpoint every K steps into
-`checkpoint-<step>/` (written into a hidden directory, then renamed). It runs four ways, same
-steps and seeds:
-- none: no checkpoints (the baseline step time; run first and again last);
+`checkpoint-<step>/` (written into a hidden directory, then renamed). After an unmeasured
+warm-up it runs three ways, same steps and seeds:
+- none: no checkpoints, the baseline step time (run first and again last);
 - async: `CheckpointUploader` in a separate process uploads in the background, `flush` at the end;
 - sync: the loop uploads each checkpoint itself with `CheckpointStore.upload` and waits, which
   is what Ray Train's default synchronous `ray.train.report(checkpoint=...)` amounts to.
-Then, with the loop stopped and the uploader idle, it times a checkpoint's rename until its
-manifest exists, against a raw `s3fs.put` of the same files.
+In the async run it also times each checkpoint's rename until its manifest exists. Then, with
+the loop stopped and the uploader idle, it times that for a probe checkpoint against a raw
+`s3fs.put` of the same files.
 
-S3 is moto's ThreadedMotoServer on 127.0.0.1, in its own process (it stands in for a remote
-service, so it must not share the training process's GIL).
+S3 is moto's ThreadedMotoServer on 127.0.0.1, in its own process: it stands in for a remote
+service, so it must not share the training process's GIL. With --pin (the default) the
+training loop has CPU 0 to itself while it runs; the uploader and moto share the others.
 
 Run: .venv/bin/python benchmarks/checkpoint_upload.py [--steps 20] [--ckpt-mb 200] [--every 5]
 """
@@ -387,6 +389,9 @@ def main() -> None:
         default=True,
         help="during the loops, training on one core, uploader and moto on the others",
     )
+    parser.add_argument(
+        "--warmup-s", type=float, default=6, help="unmeasured training loops first, seconds"
+    )
     parser.add_argument("--probes", type=int, default=1, help="latency probes (rename vs put)")
     args = parser.parse_args()
 
@@ -427,6 +432,10 @@ def main() -> None:
             path.mkdir()
             return path
 
+        print(f"warm-up ({args.warmup_s:g} s) ...", flush=True)
+        warm_until = time.perf_counter() + args.warmup_s
+        while time.perf_counter() < warm_until:  # a fresh process's first seconds run slow
+            train("warm-up", args, layout, None)
         print("none ...", flush=True)
         runs.append(train("none", args, layout, None))
         print("async ...", flush=True)

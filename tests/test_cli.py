@@ -160,3 +160,25 @@ def test_help(args):
     result = run_cli(*args)
     assert result.returncode == 0
     assert "Usage" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ('weights=[d.WeightsSource(source="hf://a/b", mount_location="/app/m")]', "weights:"),
+        ("runtime=d.Runtime(enable_cache=True)", "runtime.cache_config:"),
+    ],
+)
+def test_push_refuses_what_is_not_built_yet(tmp_path, extra, reason):
+    config = write_config(
+        tmp_path,
+        f"""
+        from orchestrator import definitions as d
+        project = d.TrainingProject(
+            name="p", job=d.TrainingJob(image=d.Image(base_image="x"), {extra})
+        )
+        """,
+    )
+    result = run_cli("push", config, "--dry-run")
+    assert result.returncode == 1
+    assert reason in result.stderr and "not built yet" in result.stderr
