@@ -29,7 +29,6 @@ import os
 import resource
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ PROJECT, JOB_ID, RANK = "bench-ckpt", "job-bench", 0
 BUCKET = "bench"
 WARMUP_STEPS = 3
 PROBE_POLL_S = 0.02
+GIVE_UP_S = 120
 
 # --- the two helper processes ----------------------------------------------------------------
 
@@ -245,6 +245,7 @@ def async_run(args: argparse.Namespace, layout: Layout, ckpt_dir: Path, fs: Any)
 
     ended = time.perf_counter()
     while len(store.list(PROJECT, JOB_ID)) < len(run.renamed_at):
+        _give_up_after(ended, "the uploader to catch up")
         time.sleep(0.1)
     drain_s = time.perf_counter() - ended
     created = {m.name: m.created_at for m in store.list(PROJECT, JOB_ID)}
@@ -261,6 +262,7 @@ def async_run(args: argparse.Namespace, layout: Layout, ckpt_dir: Path, fs: Any)
         renamed = time.time()
         os.rename(hidden, ckpt_dir / name)
         while not store.is_uploaded(PROJECT, JOB_ID, RANK, name):
+            _give_up_after(renamed, f"{name}'s manifest", clock=time.time)
             time.sleep(PROBE_POLL_S)
         seen_s = time.time() - renamed
         conn.send("uploaded")
@@ -274,6 +276,11 @@ def async_run(args: argparse.Namespace, layout: Layout, ckpt_dir: Path, fs: Any)
     proc.join(timeout=10)
     layout.side_pids.remove(proc.pid)
     return AsyncResult(run, drain_s, latency, dict(flush["uploaded_s"]), probes, flush)
+
+
+def _give_up_after(start: float, what: str, clock: Any = time.perf_counter) -> None:
+    if clock() - start > GIVE_UP_S:
+        raise TimeoutError(f"waited {GIVE_UP_S} s for {what}: is the uploader failing?")
 
 
 def raw_put(fs: Any, local: Path, k: int) -> float:
@@ -332,10 +339,16 @@ def report(
             f" {mean * 1e3:>12.1f} ms {mean / base_mean:>6.3f}x"
             f" {r.loop_s:>8.2f} s {write:>17} {upload:>12}"
         )
+    if len(none) > 1:
+        first, again = none[0].median_plain(), none[-1].median_plain()
+        print(
+            f"\nnoise floor: the same 'none' loop, last vs first: {again / first:.3f}x "
+            "(CPU column: the training thread's own CPU time; wall above it = descheduled)"
+        )
     a = res.run
     mean_wo_write = (sum(a.step_s) - sum(a.write_s)) / len(a.step_s)
     print(
-        f"\nasync, mean step with the local writes taken out: {mean_wo_write * 1e3:.1f} ms "
+        f"async, mean step with the local writes taken out: {mean_wo_write * 1e3:.1f} ms "
         f"({mean_wo_write / base_mean:.3f}x none)"
     )
     print(
@@ -478,7 +491,6 @@ def main() -> None:
         moto_conn.send("stop")
         moto_conn.recv()
         moto.join(timeout=10)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

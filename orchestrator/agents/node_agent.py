@@ -199,15 +199,13 @@ class NodeAgent:
     def _join(self, rendezvous: Any) -> dict[str, Any] | None:
         """Register this node's address and wait for every rank (the barrier).
 
-        Without a rendezvous (a group of one, e.g. outside Ray) this node leads itself.
+        Without a rendezvous (a group of one) this node leads itself.
         """
-        if rendezvous is None:
-            return {
-                "leader_addr": "127.0.0.1",
-                "master_port": free_port(),
-                "addresses": ["127.0.0.1"],
-            }
         import ray
+
+        if rendezvous is None:
+            here = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            return {"leader_addr": here, "master_port": free_port(), "addresses": [here]}
 
         port = free_port() if self.rank == 0 else None
         ref = rendezvous.join.remote(self.rank, ray.util.get_node_ip_address(), port)

@@ -171,20 +171,26 @@ class JobController:
             names = sorted({f"{m.job_id}/{m.name}" for m in loads})
             self.say(f"loading checkpoint(s) {', '.join(names)} on every node")
         bundle = bundles_for(compute)[0]
-        # Created with the agents, so its worker starts while they prepare (not after).
+        # Created with the agents, so its worker starts while they prepare (not after). A job of
+        # one node needs none: its agent leads itself, and one fewer worker starts.
         self.rendezvous = (
-            ray.remote(Rendezvous)
-            .options(
-                name=f"orchestrator-{self.record.job_id}-rendezvous",
-                namespace=NAMESPACE,
-                num_cpus=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=0
-                ),
+            None
+            if compute.node_count == 1
+            else (
+                ray.remote(Rendezvous)
+                .options(
+                    name=f"orchestrator-{self.record.job_id}-rendezvous",
+                    namespace=NAMESPACE,
+                    num_cpus=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=0
+                    ),
+                )
+                .remote(compute.node_count)
             )
-            .remote(compute.node_count)
         )
-        self.helpers.append(self.rendezvous)
+        if self.rendezvous is not None:
+            self.helpers.append(self.rendezvous)
         agent_cls = ray.remote(NodeAgent)
         image = self.record.spec.job.image.base_image
         runtime_env = {"image_uri": image} if use_image_uri() else None
