@@ -171,26 +171,7 @@ class JobController:
             names = sorted({f"{m.job_id}/{m.name}" for m in loads})
             self.say(f"loading checkpoint(s) {', '.join(names)} on every node")
         bundle = bundles_for(compute)[0]
-        # Created with the agents, so its worker starts while they prepare (not after). A job of
-        # one node needs none: its agent leads itself, and one fewer worker starts.
-        self.rendezvous = (
-            None
-            if compute.node_count == 1
-            else (
-                ray.remote(Rendezvous)
-                .options(
-                    name=f"orchestrator-{self.record.job_id}-rendezvous",
-                    namespace=NAMESPACE,
-                    num_cpus=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self.pg, placement_group_bundle_index=0
-                    ),
-                )
-                .remote(compute.node_count)
-            )
-        )
-        if self.rendezvous is not None:
-            self.helpers.append(self.rendezvous)
+        self.rendezvous = self._start_rendezvous(compute.node_count)
         agent_cls = ray.remote(NodeAgent)
         image = self.record.spec.job.image.base_image
         runtime_env = {"image_uri": image} if use_image_uri() else None
@@ -232,6 +213,28 @@ class JobController:
         if job.runtime.checkpointing_config.enabled:
             self.uploaders = Uploaders(self.record, self.pg, nodes)
             self.helpers += self.uploaders.actors
+
+    def _start_rendezvous(self, group_size: int) -> Any:
+        """Started with the agents, so its worker starts while they prepare, not after.
+
+        A job of one node needs none: its agent leads itself, and one fewer worker starts.
+        """
+        if group_size == 1:
+            return None
+        rendezvous = (
+            ray.remote(Rendezvous)
+            .options(
+                name=f"orchestrator-{self.record.job_id}-rendezvous",
+                namespace=NAMESPACE,
+                num_cpus=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=0
+                ),
+            )
+            .remote(group_size)
+        )
+        self.helpers.append(rendezvous)
+        return rendezvous
 
     def _gather(self, refs: list[Any], what: str) -> list[Any]:
         pending = list(refs)
