@@ -14,6 +14,8 @@ the loop stopped and the uploader idle, it times that for a probe checkpoint aga
 S3 is moto's ThreadedMotoServer on 127.0.0.1, in its own process: it stands in for a remote
 service, so it must not share the training process's GIL. With --pin (the default) the
 training loop has CPU 0 to itself while it runs; the uploader and moto share the others.
+glibc malloc is told to keep freed memory (--keep-freed-memory, the default), as a GPU caching
+allocator would, so that step times do not swing with page faults.
 
 Run: .venv/bin/python benchmarks/checkpoint_upload.py [--steps 20] [--ckpt-mb 200] [--every 5]
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 import multiprocessing as mp
@@ -41,6 +44,7 @@ BUCKET = "bench"
 WARMUP_STEPS = 3
 PROBE_POLL_S = 0.02
 GIVE_UP_S = 120
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 # --- the two helper processes ----------------------------------------------------------------
 
@@ -115,6 +119,19 @@ class Layout:
             pin(pid, self.every)
 
 
+def keep_freed_memory() -> bool:
+    """Make glibc malloc keep freed memory, as a GPU caching allocator does. Otherwise each
+    step's gradients come back from the kernel as fresh zeroed pages (20-35k page faults a
+    step here) and the step time swings by up to 2x with whatever else the machine does."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) and libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    )
+
+
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -137,6 +154,7 @@ class Run:
     renamed_at: dict[str, float] = field(default_factory=dict)  # name -> time.time()
     loop_s: float = 0.0
     loop_cpu_s: float = 0.0
+    loop_faults: int = 0  # minor page faults of the training process during the loop
 
     def median_plain(self, values: list[float] | None = None) -> float:
         """Median over the steps that wrote no checkpoint."""
@@ -185,6 +203,7 @@ def train(
     for _ in range(WARMUP_STEPS):
         step()
     loop_start, cpu_start = time.perf_counter(), time.process_time()
+    faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i in range(1, args.steps + 1):
         start, cpu = time.perf_counter(), time.thread_time()
         step()
@@ -210,6 +229,7 @@ def train(
         run.is_ckpt.append(ckpt)
     run.loop_s = time.perf_counter() - loop_start
     run.loop_cpu_s = time.process_time() - cpu_start
+    run.loop_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_start
     layout.free()
     return run
 
@@ -265,8 +285,11 @@ def async_run(args: argparse.Namespace, layout: Layout, ckpt_dir: Path, fs: Any)
             _give_up_after(renamed, f"{name}'s manifest", clock=time.time)
             time.sleep(PROBE_POLL_S)
         seen_s = time.time() - renamed
-        conn.send("uploaded")
-        took = conn.recv()[name]
+        took = None
+        while took is None:  # the manifest is written a moment before the uploader records it
+            conn.send("uploaded")
+            took = conn.recv().get(name)
+            time.sleep(0 if took else PROBE_POLL_S)
         if not raw_first:
             raw_s = raw_put(fs, ckpt_dir / name, k)
         probes.append((seen_s, took, raw_s))
@@ -322,12 +345,12 @@ def report(
         f"checkpoint {extra['ckpt_mb']:.0f} MB in {extra['ckpt_files']} files; "
         f"{args.steps} steps, checkpoint every {args.every}"
     )
-    print(f"CPUs: {extra['layout']}")
+    print(f"CPUs: {extra['layout']}; malloc: {extra['malloc']}")
     print(f"load average: start {extra['load_start']}, end {extra['load_end']}\n")
     print(
         f"{'way':<12} {'median plain step':>18} {'/none':>7} {'(its CPU)':>10} "
         f"{'mean all steps':>15} {'/none':>7} {'loop wall':>10} {'local write/ckpt':>17} "
-        f"{'upload/ckpt':>12}"
+        f"{'upload/ckpt':>12} {'faults/step':>12}"
     )
     for r in runs:
         write = f"{statistics.mean(r.write_s):.3f} s" if r.write_s else "-"
@@ -337,7 +360,7 @@ def report(
             f"{r.way:<12} {median * 1e3:>15.1f} ms {median / base_median:>6.3f}x"
             f" {r.median_plain(r.cpu_s) * 1e3:>7.1f} ms"
             f" {mean * 1e3:>12.1f} ms {mean / base_mean:>6.3f}x"
-            f" {r.loop_s:>8.2f} s {write:>17} {upload:>12}"
+            f" {r.loop_s:>8.2f} s {write:>17} {upload:>12} {r.loop_faults / len(r.step_s):>12.0f}"
         )
     if len(none) > 1:
         first, again = none[0].median_plain(), none[-1].median_plain()
@@ -357,10 +380,13 @@ def report(
         f"failed {res.flush['failed']}"
     )
     print("async, per checkpoint during training: rename -> manifest created_at")
-    print(f"  {'checkpoint':<16} {'latency':>8} {'of it upload':>13} {'waiting':>8}")
-    for name, lat in res.latency_s.items():
+    print(
+        f"  {'checkpoint':<16} {'local write':>12} {'latency':>8} {'of it upload':>13} "
+        f"{'waiting':>8}"
+    )
+    for (name, lat), write in zip(res.latency_s.items(), a.write_s, strict=True):
         took = res.took_s.get(name, float("nan"))
-        print(f"  {name:<16} {lat:>6.2f} s {took:>11.2f} s {lat - took:>6.2f} s")
+        print(f"  {name:<16} {write:>10.3f} s {lat:>6.2f} s {took:>11.2f} s {lat - took:>6.2f} s")
     print("\nlatency probe, loop stopped, uploader idle:")
     print(
         f"{'probe':<6} {'rename -> manifest seen':>24} {'of it upload':>13} "
@@ -403,7 +429,13 @@ def main() -> None:
         help="during the loops, training on one core, uploader and moto on the others",
     )
     parser.add_argument(
-        "--warmup-s", type=float, default=6, help="unmeasured training loops first, seconds"
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="glibc malloc keeps freed memory (no page faults per step; see keep_freed_memory)",
+    )
+    parser.add_argument(
+        "--warmup-s", type=float, default=3, help="unmeasured training loops first, seconds"
     )
     parser.add_argument("--probes", type=int, default=1, help="latency probes (rename vs put)")
     args = parser.parse_args()
@@ -411,6 +443,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    malloc = "keeps freed memory" if args.keep_freed_memory and keep_freed_memory() else "default"
     load_start = _load()
     moto_conn, moto_child = mp.Pipe()
     moto = mp.get_context("spawn").Process(target=serve_moto, args=(moto_child,), daemon=True)
@@ -447,7 +480,12 @@ def main() -> None:
 
         print(f"warm-up ({args.warmup_s:g} s) ...", flush=True)
         warm_until = time.perf_counter() + args.warmup_s
-        while time.perf_counter() < warm_until:  # a fresh process's first seconds run slow
+        # Once with checkpoints, deleted after: on this VM, page cache that was never touched
+        # (or was handed back to the host) writes up to 6x slower than recycled page cache,
+        # which would charge the first way to write (async) for it.
+        train("warm-up", args, layout, fresh("warm-up"))
+        shutil.rmtree(work / "warm-up")
+        while time.perf_counter() < warm_until:
             train("warm-up", args, layout, None)
         print("none ...", flush=True)
         runs.append(train("none", args, layout, None))
@@ -479,6 +517,7 @@ def main() -> None:
             "moto_rss": moto_rss,
             "load_start": load_start,
             "load_end": _load(),
+            "malloc": malloc,
             "layout": (
                 f"training on {sorted(layout.train)}, uploader and moto on {sorted(layout.side)}"
                 if layout.train
