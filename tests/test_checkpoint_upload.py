@@ -208,3 +208,19 @@ def test_a_failed_upload_is_reported_once(tmp_path):
     uploader = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 0})
     result = uploader.flush(timeout=30)
     assert result["pending"] == [] and list(result["failed"]) == ["checkpoint-1"]
+
+
+def test_a_checkpoint_rewritten_in_place_is_uploaded_again(tmp_path):
+    root = StorageRoot(tmp_path / "root")
+    local = tmp_path / "ckpts"
+    (local / "checkpoint-1").mkdir(parents=True)
+    (local / "checkpoint-1" / "w.bin").write_bytes(b"half")  # written in place, in two goes
+    store = CheckpointStore(root)
+    uploader = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 0.2})
+    wait_until(lambda: store.list("p", "j"), "the first (early) upload")
+    (local / "checkpoint-1" / "w.bin").write_bytes(b"half and the rest")
+    wait_until(lambda: store.list("p", "j")[0].size_bytes == len(b"half and the rest"),
+               "the checkpoint to be uploaded again")  # fmt: skip
+    got = store.download(store.list("p", "j")[0], tmp_path / "down")
+    assert (got / "w.bin").read_bytes() == b"half and the rest"
+    uploader.flush(timeout=10)

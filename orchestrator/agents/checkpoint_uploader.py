@@ -1,8 +1,9 @@
 """The checkpoint uploader: a Ray actor per node, a process apart from the training.
 
-It watches the node's `$BT_CHECKPOINT_DIR`. Each top-level directory there is a checkpoint;
-once its files stop changing for `settle_s` (or when the job ends) it is uploaded through
-fsspec and committed by its manifest. Training never waits on it: it only ever reads the files.
+It watches the node's `$BT_CHECKPOINT_DIR` (every 0.1 s). Each top-level directory there is a
+checkpoint; once it is unchanged between two scans and its newest write is `settle_s` old (or
+when the job ends) it is uploaded through fsspec and committed by its manifest. One rewritten in
+place after that is uploaded again. Training never waits on it: it only ever reads the files.
 Directories whose names start with '.' are skipped (write there, then rename into place).
 A restarted uploader skips checkpoints whose manifest exists and redoes the others.
 """
@@ -18,7 +19,8 @@ from typing import Any
 from orchestrator.storage.checkpoints import CheckpointStore, UploadSettings
 from orchestrator.storage.root import StorageRoot
 
-SCAN_S = 0.5
+SCAN_S = 0.1
+RECHECK_S = 2.0  # how often uploaded checkpoints are checked for changes made in place
 WARN_FRACTION = 0.9
 
 
@@ -48,6 +50,9 @@ class CheckpointUploader:
         self.over_volume: str | None = None
         self._warned = False
         self._seen: dict[str, tuple[tuple[int, int, int], float]] = {}
+        # What an uploaded checkpoint looked like, so one rewritten in place is uploaded again.
+        self._marks: dict[str, tuple[int, int, int]] = {}
+        self._last_recheck = 0.0
         self._lock = threading.Lock()  # one scan (and upload) at a time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -96,34 +101,43 @@ class CheckpointUploader:
         with self._lock:
             self._check_volume()
             now = time.monotonic()
+            recheck = final or now - self._last_recheck >= RECHECK_S
+            if recheck:
+                self._last_recheck = now
             for name in self._local_checkpoints():
-                if (
-                    name in self.uploaded
-                    or name in self.stale
-                    or (not final and name in self.failed)
-                ):
+                if name in self.stale or (not final and name in self.failed):
                     continue
+                path = self.local_dir / name
+                if name in self.uploaded and (
+                    not recheck or self._marks.get(name) == _signature(path)
+                ):
+                    continue  # uploaded and untouched since (checked every RECHECK_S)
                 if deadline is not None and time.monotonic() > deadline:
                     self._event(f"checkpoint flush deadline passed; {name} not uploaded")
                     return
-                if self.store.is_uploaded(self.project, self.job_id, self.rank, name):
+                if (
+                    name not in self._seen
+                    and name not in self.uploaded
+                    and self.store.is_uploaded(self.project, self.job_id, self.rank, name)
+                ):
                     self.uploaded[name] = 0.0  # a restarted uploader: already committed
+                    self._marks[name] = _signature(path)
                     continue
-                signature = _signature(self.local_dir / name)
+                signature = _signature(path)
                 if signature[2] < self.not_before_ns:
                     self.stale.add(name)
                     self._event(f"skipping {name}: written before this job started")
                     continue
                 previous = self._seen.get(name)
-                if previous is None or previous[0] != signature:
-                    self._seen[name] = (signature, now)
-                    if not final:
-                        continue
-                if final or now - self._seen[name][1] >= self.settings.settle_s:
+                self._seen[name] = (signature, now)
+                quiet_s = time.time() - signature[2] / 1e9  # since its newest write
+                settled = previous is not None and previous[0] == signature
+                if final or (settled and quiet_s >= self.settings.settle_s):
                     self._upload(name)
 
     def _upload(self, name: str) -> None:
         start = time.monotonic()
+        signature = _signature(self.local_dir / name)  # what is uploaded: a later change redoes it
         try:
             manifest = self.store.upload(
                 self.local_dir / name, self.project, self.job_id, self.rank, self.settings
@@ -134,6 +148,7 @@ class CheckpointUploader:
             return
         took = time.monotonic() - start
         self.uploaded[name] = took
+        self._marks[name] = signature
         self.failed.pop(name, None)
         size_mb = manifest.size_bytes / 1e6
         self._event(
