@@ -16,6 +16,9 @@ from orchestrator.cluster.local import LocalCluster, LocalClusterInfo
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.storage.root import StorageRoot
 
+NODE_SECRET_NAME = "leak_test_token"
+NODE_SECRET_VALUE = "s3cr3t-7d41c9e2b8a5"
+
 
 @pytest.fixture(scope="session")
 def orchestrator_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
@@ -52,7 +55,12 @@ def s3_server() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def ray_cluster(orchestrator_home: Path, s3_server: str) -> Iterator[LocalClusterInfo]:
-    """The embedded cluster `push` finds via ORCHESTRATOR_HOME: started once, stopped at end."""
+    """The embedded cluster `push` finds via ORCHESTRATOR_HOME: started once, stopped at end.
+
+    Its nodes hold one secret (ORCHESTRATOR_SECRET_<NAME>, the node-side secret source), for the
+    tests that check a secret reaches its command and nothing else.
+    """
+    os.environ[f"ORCHESTRATOR_SECRET_{NODE_SECRET_NAME.upper()}"] = NODE_SECRET_VALUE
     cluster = LocalCluster()
     info = cluster.ensure_running()
     try:
