@@ -91,7 +91,7 @@ def test_job_completes_with_the_env_contract(tmp_path, storage_root):
 def test_failing_command_records_exit_code_command_and_last_lines(tmp_path, storage_root):
     config = cpu_job(
         tmp_path / "job",
-        ["echo preparing", "python fail.py", "echo must not run"],
+        ["echo scratch=$BT_SCRATCH_DIR", "python fail.py", "echo must not run"],
         {"fail.py": "import sys\nprint('about to fail')\nsys.exit(3)\n"},
     )
     job = push(config, storage_root=storage_root)
@@ -103,10 +103,13 @@ def test_failing_command_records_exit_code_command_and_last_lines(tmp_path, stor
     assert failure.last_lines[-1] == "about to fail"
     assert "exited with code 3" in failure.cause
     assert not any("must not run" in line for line in job.logs())
+    scratch = next(line for line in job.logs() if "scratch=" in line).split("scratch=")[1]
+    assert scratch and not Path(scratch).exists(), "scratch must be deleted after a failure"
 
 
 SLEEPER = """
 import os, time
+print(f"SCRATCH {os.environ['BT_SCRATCH_DIR']}", flush=True)
 print(f"PID {os.getpid()}", flush=True)
 while True:
     print("still training", flush=True)
@@ -137,6 +140,8 @@ def test_stop_ends_the_processes_and_removes_the_placement_group(
     ours = [a for a in agents if a.name == f"orchestrator-{job.id}-rank-0"]
     assert ours and all(a.state == "DEAD" for a in ours)
     assert job.details().history[-1].reason == "stopped by user"
+    scratch = next(line for line in job.logs() if "SCRATCH " in line).split("SCRATCH ")[1]
+    assert not Path(scratch).exists(), "scratch must be deleted after a stop"
 
 
 def test_unschedulable_job_is_pending_with_a_reason_then_deploy_failed(
