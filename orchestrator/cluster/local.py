@@ -192,6 +192,9 @@ class LocalCluster:
         )
         env = {**os.environ, **embedded_env(), **CLUSTER_ENV}
         env.pop("RAY_ADDRESS", None)
+        # `stop` ends the jobs through the Job API first; what is left (detached actors, e.g.
+        # Ray Train's autoscaling coordinator) is not worth Ray's 30 s drain on SIGTERM.
+        env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")
         # Job entrypoints are shell commands: let their `python` be this (Ray-equipped) one.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         with open(self.log_file, "wb") as log:
