@@ -20,7 +20,7 @@ from orchestrator.storage.checkpoints import CheckpointStore, UploadSettings
 from orchestrator.storage.root import StorageRoot
 
 SCAN_S = 0.1
-RECHECK_S = 2.0  # how often uploaded checkpoints are checked for changes made in place
+RECHECK_S = 2.0  # how often the volume size and uploaded checkpoints are checked again
 WARN_FRACTION = 0.9
 
 
@@ -99,11 +99,12 @@ class CheckpointUploader:
 
     def _scan(self, final: bool, deadline: float | None = None) -> None:
         with self._lock:
-            self._check_volume()
             now = time.monotonic()
+            # Walking every file is for the slower checks: sizes and in-place rewrites.
             recheck = final or now - self._last_recheck >= RECHECK_S
             if recheck:
                 self._last_recheck = now
+                self._check_volume()
             for name in self._local_checkpoints():
                 if name in self.stale or (not final and name in self.failed):
                     continue

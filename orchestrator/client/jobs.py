@@ -15,6 +15,7 @@ from orchestrator.storage.logs import read_logs
 from orchestrator.storage.records import Failure, JobRecord, JobStatus
 
 POLL_S = 0.25
+FOLLOW_POLL_LOCAL_S = 0.1  # a local storage root is cheap to read: follow logs closely
 _GONE = "GONE"  # the job's (loopback) cluster does not answer at all
 
 
@@ -98,7 +99,7 @@ class JobHandle:
             yield from lines
             if ended:
                 return
-            time.sleep(POLL_S if not self._store.root.is_local else POLL_S / 2.5)
+            time.sleep(FOLLOW_POLL_LOCAL_S if self._store.root.is_local else POLL_S)
 
     def stop(self, timeout: float = 90) -> JobState:
         """Stop the job (SIGTERM to its commands, SIGKILL after a grace period) and wait."""

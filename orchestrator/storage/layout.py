@@ -17,10 +17,6 @@ def jobs() -> str:
     return "jobs"
 
 
-def job_dir(job_id: str) -> str:
-    return f"jobs/{job_id}"
-
-
 def record(job_id: str) -> str:
     return f"jobs/{job_id}/record.json"
 

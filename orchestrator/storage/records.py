@@ -88,14 +88,6 @@ class JobStatus(_Record):
         event = StatusEvent(state=JobState.CREATED, at=time.time(), reason=reason)
         return cls(job_id=job_id, state=JobState.CREATED, history=[event])
 
-    @property
-    def updated_at(self) -> float:
-        return self.history[-1].at
-
-    @property
-    def reason(self) -> str | None:
-        return self.history[-1].reason
-
     def moved_to(self, state: JobState, reason: str | None = None) -> JobStatus:
         """A copy in `state`; raises IllegalTransition for a move the state machine forbids."""
         if state == self.state:  # same state, new reason (e.g. a PENDING reason that changed)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import uuid
@@ -97,7 +96,3 @@ class StorageRoot:
     def get_file(self, rel: str, local: Path) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)
         self.fs.get_file(self.path(rel), str(local))
-
-    def delete(self, rel: str, recursive: bool = False) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.path(rel), recursive=recursive)
