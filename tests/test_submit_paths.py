@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -110,7 +111,10 @@ def test_a_job_whose_local_cluster_died_is_failed_not_running_forever(
         wait_for_line(job, "up")
         command_pid = int(next(line for line in job.logs() if "pid " in line).split("pid ")[1])
         os.killpg(info.pid, signal.SIGKILL)  # the cluster crashes: nobody records anything
-        os.kill(command_pid, signal.SIGKILL)  # its own session, so the crash did not reach it
+        # The command runs in its own session, so the crash does not reach it, and Ray kills the
+        # dying agent's guard before it can act (a known gap, see the issue notes): end it here.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(command_pid, signal.SIGKILL)
     finally:
         cluster.stop()
     assert job.status() == JobState.FAILED
