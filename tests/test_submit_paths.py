@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 from conftest import make_job
 
 from orchestrator.client.api import get_job, push
@@ -110,15 +111,28 @@ def test_a_job_whose_local_cluster_died_is_failed_not_running_forever(
         assert job.record.embedded_cluster and job.record.ray_address == info.dashboard_url
         wait_for_line(job, "up")
         command_pid = int(next(line for line in job.logs() if "pid " in line).split("pid ")[1])
-        os.killpg(info.pid, signal.SIGKILL)  # the cluster crashes: nobody records anything
-        # The command runs in its own session, so the crash does not reach it, and Ray kills the
-        # dying agent's guard before it can act (a known gap, see the issue notes): end it here.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(command_pid, signal.SIGKILL)
+        power_loss(info.pid, command_pid)  # the cluster crashes: nobody records anything
     finally:
         cluster.stop()
     assert job.status() == JobState.FAILED
     assert "is no longer running" in job.details().failure.cause
+
+
+def power_loss(root_pid: int, *extra_pids: int) -> None:
+    """Every process of the cluster dies at once, as when a machine loses power.
+
+    All are frozen before any is killed, so none sees another die and records it (the controller
+    would otherwise note its command's exit and the test would not reach reconciliation).
+    """
+    root = psutil.Process(root_pid)
+    victims = [root, *root.children(recursive=True)]
+    for pid in extra_pids:  # the command runs in its own session, possibly reparented
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victims.append(psutil.Process(pid))
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for process in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(sig)
 
 
 SLEEPER = """
