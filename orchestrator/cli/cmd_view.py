@@ -68,8 +68,23 @@ def _job_detail(job: JobHandle) -> dict:
         "history": [e.model_dump(mode="json") for e in details.history],
         "failure": details.failure.model_dump(mode="json") if details.failure else None,
         "nodes_detail": [n.model_dump(mode="json") for n in details.nodes],
+        "weights": [w.model_dump(mode="json") for w in details.weights],
         "notices": job.record.notices,
     }
+
+
+def _weights_line(w: dict) -> str:
+    gb = 1e9
+    line = (
+        f"{w['source']} -> {w['mount_location']}: {w['files_done']}/{w['files_total']} files, "
+        f"{w['bytes_done'] / gb:.2f}/{w['bytes_total'] / gb:.2f} GB"
+    )
+    if w["mirror"]:
+        line += f", mirror {w['mirror']} at {(w['revision'] or '')[:12]}"
+    for node in w["nodes"]:
+        how = "node cache hit" if node["tier"] == "node" else f"copied from the {node['tier']}"
+        line += f"\n  rank {node['rank']}: {how} in {node['seconds']:.2f} s"
+    return line
 
 
 def _print_detail(job: JobHandle) -> None:
@@ -84,6 +99,8 @@ def _print_detail(job: JobHandle) -> None:
         table.add_row("", f"{_when(event['at'])}  {event['state']}  {event['reason'] or ''}")
     for node in d["nodes_detail"]:
         table.add_row(f"rank {node['rank']}", f"{node['ip']} ({node['hostname']})")
+    for i, w in enumerate(d["weights"]):
+        table.add_row(f"weights[{i}]", _weights_line(w))
     if d["failure"]:
         f = d["failure"]
         table.add_row("cause", f["cause"])

@@ -50,11 +50,6 @@ def check_support(job: TrainingJob) -> SupportReport:
                     f"runtime.load_checkpoint_config.checkpoints[{i}]: Loops checkpoints live in "
                     "Baseten Loops; use BasetenCheckpoint references to orchestrator jobs"
                 )
-    if job.weights:
-        errors.append(
-            "weights: delivering weights and datasets to the nodes is not built yet; download "
-            "them from your start_commands for now, or remove weights"
-        )
     cache = job.runtime.cache_config
     if cache is not None and cache.enabled:
         errors.append(

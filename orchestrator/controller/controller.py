@@ -27,12 +27,13 @@ from orchestrator.controller.checkpointing import (
 )
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
+from orchestrator.controller.weights import WeightsUnavailable, mirror_weights, record_deliveries
 from orchestrator.envflags import env_flag
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.logs import LogWriter
-from orchestrator.storage.records import Failure, JobRecord, JobStatus, NodeInfo
+from orchestrator.storage.records import Failure, JobRecord, JobStatus, NodeInfo, WeightsStatus
 
 NAMESPACE = "orchestrator"
 IMAGE_URI_ENV = "ORCHESTRATOR_USE_IMAGE_URI"
@@ -72,6 +73,7 @@ class JobController:
         self.helpers: list[Any] = []  # the rendezvous (and later: uploaders) to end with the job
         self.rendezvous: Any = None
         self.uploaders: Uploaders | None = None
+        self.weight_sets: list[dict[str, Any]] = []  # mirrored sets, in the order of `weights`
 
     # --- state -----------------------------------------------------------------------------
 
@@ -101,6 +103,7 @@ class JobController:
             return self.status.state
         self.say(self._image_notice())
         try:
+            self._mirror_weights()
             self._reserve()
             self._deploy()
             self._run_commands()
@@ -130,6 +133,28 @@ class JobController:
             f"image {image} is recorded; this cluster runs jobs in each node's own environment "
             f"(set {IMAGE_URI_ENV}=1 on a cluster with a container runtime to use it)"
         )
+
+    def _mirror_weights(self) -> None:
+        """While CREATED, before any compute is reserved: every source into the mirror."""
+        sources = self.record.spec.job.weights
+        if not sources:
+            return
+        self.say(f"mirroring {len(sources)} weights source(s) into the storage root")
+        try:
+            self.weight_sets = mirror_weights(
+                self.record.storage_root,
+                sources,
+                self.say,
+                self._publish_weights,
+                self.stop_requested.is_set,
+            )
+        except WeightsUnavailable as e:
+            raise DeployFailed(Failure(cause=str(e))) from None
+        self._check_stop()
+
+    def _publish_weights(self, statuses: list[WeightsStatus]) -> None:
+        self.status = self.status.model_copy(update={"weights": statuses})
+        self.store.put_status(self.status)
 
     def _reserve(self) -> None:
         compute = self.record.spec.job.compute
@@ -204,12 +229,18 @@ class JobController:
                 secret_names,
                 [m.model_dump() for m in loads],
                 load_folder,
+                [
+                    {"set": ws, "mount_location": w.normalized_mount}
+                    for ws, w in zip(self.weight_sets, job.weights, strict=True)
+                ],
             )
             for agent in self.agents
         ]
         infos = self._gather(refs, "preparing the node")
         nodes = [NodeInfo(**i) for i in infos]
-        self.status = self.status.model_copy(update={"nodes": nodes})
+        weights = [w.model_copy(update={"nodes": []}) for w in self.status.weights]
+        record_deliveries(weights, infos, self.say)
+        self.status = self.status.model_copy(update={"nodes": nodes, "weights": weights})
         if job.runtime.checkpointing_config.enabled:
             self.uploaders = Uploaders(self.record, self.pg, nodes)
             self.helpers += self.uploaders.actors

@@ -75,6 +75,29 @@ class CheckpointSummary(_Record):
     all_uploaded: bool = True
 
 
+class NodeDelivery(_Record):
+    """How one node got a weight set: "node" (a hit), "cluster" or "mirror" (copied)."""
+
+    rank: int
+    tier: str
+    seconds: float
+    bytes_copied: int = 0
+
+
+class WeightsStatus(_Record):
+    """One `weights` entry: its mirror (revision, progress, hit or miss) and each node's copy."""
+
+    source: str
+    mount_location: str
+    revision: str | None = None
+    mirror: str | None = None  # hit | miss | shared (another job's copy in flight)
+    files_total: int = 0
+    bytes_total: int = 0
+    files_done: int = 0
+    bytes_done: int = 0
+    nodes: list[NodeDelivery] = Field(default_factory=list)
+
+
 class JobStatus(_Record):
     job_id: str
     state: JobState
@@ -82,6 +105,7 @@ class JobStatus(_Record):
     failure: Failure | None = None
     nodes: list[NodeInfo] = Field(default_factory=list)
     checkpoints: CheckpointSummary | None = None
+    weights: list[WeightsStatus] = Field(default_factory=list)
 
     @classmethod
     def new(cls, job_id: str, reason: str | None = None) -> JobStatus:

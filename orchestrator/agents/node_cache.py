@@ -1,0 +1,153 @@
+"""The node cache: one actor per node keeping mirrored weight sets on local disk.
+
+A node agent asks it for each of its job's sets during DEPLOYING. A set already here (a node
+hit) is handed over at once; otherwise it comes from the cluster cache (a shared filesystem, when
+the cluster has one) or from the mirror in the storage root, and stays here for the next job
+until the budget needs its room (least recently used first, never while a job uses it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from orchestrator.agents.node_root import node_root
+from orchestrator.agents.weight_mirror import concurrency
+from orchestrator.storage.root import StorageRoot
+from orchestrator.storage.set_cache import SetCache
+from orchestrator.storage.weights import WeightSet, file_path
+
+NAMESPACE = "orchestrator"
+NODE_CACHE_DIR_ENV = "ORCHESTRATOR_NODE_CACHE_DIR"
+NODE_CACHE_GIB_ENV = "ORCHESTRATOR_NODE_CACHE_GIB"
+CLUSTER_CACHE_DIR_ENV = "ORCHESTRATOR_CLUSTER_CACHE_DIR"
+CLUSTER_CACHE_GIB_ENV = "ORCHESTRATOR_CLUSTER_CACHE_GIB"
+GIB = 1024**3
+
+
+class NodeCache:
+    """A threaded Ray actor pinned to its node; its state lives on disk (see SetCache)."""
+
+    def __init__(self) -> None:
+        directory = Path(os.environ.get(NODE_CACHE_DIR_ENV) or node_root() / "weights-cache")
+        self.node = SetCache(directory, _budget(directory, NODE_CACHE_GIB_ENV))
+        shared = os.environ.get(CLUSTER_CACHE_DIR_ENV)
+        self.cluster = (
+            SetCache(Path(shared), _budget(Path(shared), CLUSTER_CACHE_GIB_ENV)) if shared else None
+        )
+        self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+
+    def deliver(self, storage_root: str, weight_set: dict[str, Any], holder: str) -> dict[str, Any]:
+        """The local directory holding the set's files, and where they came from.
+
+        `holder` (the asking agent's actor name) keeps the set from eviction until `release`.
+        """
+        ws = WeightSet.model_validate(weight_set)
+        started = time.monotonic()
+        with self._locks[ws.key]:  # one fill per set on this node; the others wait for it
+            if (hit := self.node.get(ws.key, holder)) is not None:
+                return _delivered(hit, "node", 0, started)
+            tier, fill = "mirror", _from_mirror(StorageRoot(storage_root), ws)
+            if self.cluster is not None:
+                shared = self.cluster.get(ws.key, holder)
+                if shared is None:
+                    shared = self.cluster.put(ws.key, ws.total_bytes, fill, holder, _alive).path
+                else:
+                    tier = "cluster"
+                fill = _from_directory(shared, ws)
+            put = self.node.put(ws.key, ws.total_bytes, fill, holder, _alive)
+            if self.cluster is not None:
+                self.cluster.release(holder)
+            result = _delivered(put.path, tier, ws.total_bytes, started)
+            result.update(evicted=put.evicted, over_budget=put.over_budget)
+            return result
+
+    def release(self, holder: str) -> None:
+        self.node.release(holder)
+        if self.cluster is not None:
+            self.cluster.release(holder)
+
+    def usage(self) -> dict[str, Any]:
+        return self.node.usage()
+
+
+def node_cache_here() -> Any:
+    """This node's cache actor, started on first use; it outlives jobs, as its disk does."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return (
+        ray.remote(NodeCache)
+        .options(
+            name=f"orchestrator-node-cache-{node_id[:16]}",
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=16,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote()
+    )
+
+
+def _alive(holder: str) -> bool:
+    """Whether the agent named `holder` still exists: a crashed job's sets are not held forever."""
+    import ray
+
+    try:
+        ray.get_actor(holder, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def _delivered(path: Path, tier: str, copied: int, started: float) -> dict[str, Any]:
+    return {
+        "path": str(path),
+        "tier": tier,
+        "bytes_copied": copied,
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+def _from_mirror(root: StorageRoot, ws: WeightSet) -> Any:
+    def fill(dest: Path) -> None:
+        def one(path: str) -> None:
+            root.get_file(file_path(ws.key, path), dest / path)
+
+        with ThreadPoolExecutor(max_workers=concurrency()) as pool:
+            list(pool.map(one, [f.path for f in ws.files]))
+        _check_sizes(dest, ws)
+
+    return fill
+
+
+def _from_directory(source: Path, ws: WeightSet) -> Any:
+    def fill(dest: Path) -> None:
+        shutil.copytree(source, dest, copy_function=shutil.copyfile)
+        _check_sizes(dest, ws)
+
+    return fill
+
+
+def _check_sizes(dest: Path, ws: WeightSet) -> None:
+    for f in ws.files:
+        size = (dest / f.path).stat().st_size
+        if size != f.size:
+            raise RuntimeError(f"{ws.source}: {f.path} arrived with {size} bytes, not {f.size}")
+
+
+def _budget(directory: Path, env: str) -> int:
+    """From `env` (GiB), else 80% of the disk's free space when the cache starts."""
+    if value := os.environ.get(env):
+        return int(float(value) * GIB)
+    directory.mkdir(parents=True, exist_ok=True)
+    return int(shutil.disk_usage(directory).free * 0.8)
