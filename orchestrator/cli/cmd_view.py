@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from orchestrator.cli.options import JobId, Project, StorageRootOption
-from orchestrator.cli.render import OutputFormat, console, print_json
+from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json
 from orchestrator.client.api import get_job, list_jobs
 from orchestrator.client.jobs import JobHandle
 
@@ -74,10 +74,9 @@ def _job_detail(job: JobHandle) -> dict:
 
 
 def _weights_line(w: dict) -> str:
-    gb = 1e9
     line = (
         f"{w['source']} -> {w['mount_location']}: {w['files_done']}/{w['files_total']} files, "
-        f"{w['bytes_done'] / gb:.2f}/{w['bytes_total'] / gb:.2f} GB"
+        f"{human_bytes(w['bytes_done'])} of {human_bytes(w['bytes_total'])}"
     )
     if w["mirror"]:
         line += f", mirror {w['mirror']} at {(w['revision'] or '')[:12]}"

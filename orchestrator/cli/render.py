@@ -9,20 +9,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.sizes import human_bytes
+
 console = Console(highlight=False)
 
 
 class OutputFormat(str, enum.Enum):
     text = "text"
     json = "json"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def print_json(data: Any) -> None:

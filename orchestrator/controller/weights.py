@@ -16,12 +16,12 @@ from typing import Any
 import ray
 
 from orchestrator.agents.weight_mirror import MIRROR_NAME, WeightMirror
+from orchestrator.sizes import human_bytes
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.records import NodeDelivery, WeightsStatus
 
 NAMESPACE = "orchestrator"
 REPORT_EVERY_S = 2.0
-GB = 1e9
 
 
 class WeightsUnavailable(Exception):
@@ -112,9 +112,9 @@ def record_deliveries(
             how = (
                 "node cache hit"
                 if node.tier == "node"
-                else f"copied {node.bytes_copied / GB:.2f} GB from the {node.tier} cache"
+                else f"copied {human_bytes(node.bytes_copied)} from the {node.tier} cache"
                 if node.tier == "cluster"
-                else f"copied {node.bytes_copied / GB:.2f} GB from the mirror"
+                else f"copied {human_bytes(node.bytes_copied)} from the mirror"
             )
             evicted = delivered.get("evicted") or []
             extra = f"; evicted {len(evicted)} older set(s)" if evicted else ""
@@ -159,14 +159,14 @@ def _follow(stream: Any, request: _Request) -> None:
 def _progress(s: WeightsStatus) -> str:
     return (
         f"mirroring {s.files_done}/{s.files_total} files, "
-        f"{s.bytes_done / GB:.2f} of {s.bytes_total / GB:.2f} GB"
+        f"{human_bytes(s.bytes_done)} of {human_bytes(s.bytes_total)}"
     )
 
 
 def _outcome(r: _Request) -> str:
     s = r.status
     took = time.monotonic() - r.started
-    size = f"{s.files_total} file(s), {s.bytes_total / GB:.2f} GB"
+    size = f"{s.files_total} file(s), {human_bytes(s.bytes_total)}"
     revision = (s.revision or "")[:12]
     if s.mirror == "hit":
         return f"already mirrored at revision {revision} ({size}; checked in {took:.2f} s)"
