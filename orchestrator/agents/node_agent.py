@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from orchestrator.agents.cache_mounts import CacheMounts, mount_caches
+from orchestrator.agents.cache_seeder import cache_seeder_here
 from orchestrator.agents.node_cache import node_cache_here
 from orchestrator.agents.node_root import node_root
 from orchestrator.agents.rendezvous import free_port, group_environment
@@ -75,6 +77,7 @@ class NodeAgent:
         self._process: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._mounts: list[tuple[Path, str]] = []  # weight mounts: link -> the cache's directory
+        self._cache_mounts: CacheMounts | None = None
 
     def node_info(self) -> dict[str, Any]:
         import ray
@@ -96,13 +99,15 @@ class NodeAgent:
         load: list[dict[str, Any]] | None = None,
         download_folder: str | None = None,
         weights: list[dict[str, Any]] | None = None,
+        cache: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Check secrets, fetch the code, create the job's directories, fetch checkpoints to load,
         and place the job's weight sets at their mount locations.
 
         Checkpoints in `load` (manifests) land in `<folder>/rank-<their rank>/<their name>/`;
         Baseten's default folder becomes one private to this job on this node. Each entry of
-        `weights` is {"set": WeightSet, "mount_location": path}.
+        `weights` is {"set": WeightSet, "mount_location": path}. `cache` (team, project,
+        mount_base_path, explicit_base, legacy_hf) asks for the training cache.
         """
         for name in secret_names:
             resolve_secret(name)  # a missing secret fails the deploy, naming it
@@ -134,10 +139,36 @@ class NodeAgent:
                     shutil.rmtree(dest)
                 store.download(manifest, dest)
         info = self.node_info()
+        if cache is not None:
+            info["cache"] = self._prepare_cache(**cache)
         info["weights"] = [
             self._place_weights(w["set"], w["mount_location"]) for w in weights or []
         ]
         return info
+
+    def _prepare_cache(
+        self,
+        team: str | None,
+        project: str,
+        mount_base_path: str,
+        explicit_base: bool,
+        legacy_hf: bool,
+    ) -> dict[str, Any]:
+        """Seed this node's copies of the caches, then link them where the job looks."""
+        import ray
+
+        seeded = ray.get(cache_seeder_here().seed.remote(self.storage.url, team, project))
+        base = Path(mount_base_path) if explicit_base else self.base / "cache"
+        self._cache_mounts = mount_caches(
+            base, seeded["project"]["path"], seeded["team"]["path"], legacy_hf, explicit_base
+        )
+        return {**seeded, "env": self._cache_mounts.env}
+
+    def write_back_cache(self, team: str | None, project: str) -> dict[str, Any]:
+        """The leader's changes to the caches, back to the storage root (after its commands)."""
+        import ray
+
+        return ray.get(cache_seeder_here().write_back.remote(self.storage.url, team, project))
 
     def _place_weights(self, weight_set: dict[str, Any], mount_location: str) -> dict[str, Any]:
         """Get the set from this node's cache and show it at `mount_location` (a link, no copy)."""
@@ -198,7 +229,8 @@ class NodeAgent:
         # The node's secret store (ORCHESTRATOR_SECRET_*) is not the job's to read: it gets only
         # the secrets it names, under the names it chose.
         node_env = {k: v for k, v in os.environ.items() if not k.startswith(SECRET_ENV_PREFIX)}
-        full_env = {**node_env, **env, **group_env, **values}
+        cache_env = self._cache_mounts.env if self._cache_mounts else {}
+        full_env = {**node_env, **cache_env, **env, **group_env, **values}
         # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.
         full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
         last_lines: deque[str] = deque(maxlen=LAST_LINES)
@@ -280,6 +312,9 @@ class NodeAgent:
         """
         self.stop(grace_s=0)
         self._unmount_weights()
+        if self._cache_mounts is not None:
+            self._cache_mounts.remove()
+        shutil.rmtree(self.base / "cache", ignore_errors=True)
         shutil.rmtree(self.scratch_dir, ignore_errors=True)
         shutil.rmtree(self.working_dir, ignore_errors=True)
         shutil.rmtree(self.base / "loaded_checkpoints", ignore_errors=True)

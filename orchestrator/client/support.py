@@ -50,12 +50,6 @@ def check_support(job: TrainingJob) -> SupportReport:
                     f"runtime.load_checkpoint_config.checkpoints[{i}]: Loops checkpoints live in "
                     "Baseten Loops; use BasetenCheckpoint references to orchestrator jobs"
                 )
-    cache = job.runtime.cache_config
-    if cache is not None and cache.enabled:
-        errors.append(
-            "runtime.cache_config: the persistent training cache is not built yet; remove "
-            "cache_config (or enable_cache) for now"
-        )
     if job.image.docker_auth is not None:
         notices.append("image.docker_auth is recorded only: images are not pulled on this cluster")
     if job.compute.availability_model == AvailabilityModel.SPOT:

@@ -27,18 +27,35 @@ from orchestrator.controller.checkpointing import (
 )
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
+from orchestrator.controller.training_cache import (
+    affinity_selector,
+    cache_enabled,
+    cache_request,
+    seeding_lines,
+    seeding_status,
+    write_back_line,
+)
 from orchestrator.controller.weights import WeightsUnavailable, mirror_weights, record_deliveries
 from orchestrator.envflags import env_flag
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.logs import LogWriter
-from orchestrator.storage.records import Failure, JobRecord, JobStatus, NodeInfo, WeightsStatus
+from orchestrator.storage.records import (
+    CacheStatus,
+    Failure,
+    JobRecord,
+    JobStatus,
+    NodeInfo,
+    WeightsStatus,
+)
 
 NAMESPACE = "orchestrator"
 IMAGE_URI_ENV = "ORCHESTRATOR_USE_IMAGE_URI"
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
+CACHE_AFFINITY_WAIT_S = 3.0
+WRITE_BACK_S, STOP_WRITE_BACK_S = 600.0, 10.0
 STOP_FLUSH_S = 40.0  # within the 60 s RAY_JOB_STOP_WAIT_TIME_S, after the commands' grace
 
 
@@ -74,6 +91,7 @@ class JobController:
         self.rendezvous: Any = None
         self.uploaders: Uploaders | None = None
         self.weight_sets: list[dict[str, Any]] = []  # mirrored sets, in the order of `weights`
+        self.cache_affinity: str | None = None
 
     # --- state -----------------------------------------------------------------------------
 
@@ -159,11 +177,11 @@ class JobController:
     def _reserve(self) -> None:
         compute = self.record.spec.job.compute
         bundles = bundles_for(compute)
-        self.pg = placement_group(
-            bundles,
-            strategy=strategy_for(compute, colocate=self.record.colocate_ranks),
-            name=f"orchestrator-{self.record.job_id}",
-        )
+        strategy = strategy_for(compute, colocate=self.record.colocate_ranks)
+        name = f"orchestrator-{self.record.job_id}"
+        if self._reserve_near_cache(bundles, strategy, name):
+            return
+        self.pg = placement_group(bundles, strategy=strategy, name=name)
         ready = self.pg.ready()
         deadline = time.monotonic() + self.scheduling_timeout_s
         reason = None
@@ -183,6 +201,28 @@ class JobController:
                         f"{reason}"
                     )
                 )
+
+    def _reserve_near_cache(self, bundles: list[dict], strategy: str, name: str) -> bool:
+        """require_cache_affinity: try the nodes that hold the project's cache first, briefly."""
+        selector = affinity_selector(self.record, len(bundles))
+        if selector is None:
+            if cache_enabled(self.record):
+                self.cache_affinity = "no node holds the project's cache yet: placed anywhere"
+            return False
+        pg = placement_group(bundles, strategy=strategy, name=name, bundle_label_selector=selector)
+        done, _ = ray.wait([pg.ready()], timeout=CACHE_AFFINITY_WAIT_S)
+        if done:
+            self.pg = pg
+            self.cache_affinity = "placed on node(s) holding the project's cache"
+            self.say(f"training cache: {self.cache_affinity}")
+            return True
+        remove_placement_group(pg)
+        self.cache_affinity = (
+            f"the node(s) holding the project's cache had no room within "
+            f"{CACHE_AFFINITY_WAIT_S:g} s: placed anywhere"
+        )
+        self.say(f"training cache: {self.cache_affinity}")
+        return False
 
     def _deploy(self) -> None:
         self._check_stop()
@@ -233,6 +273,7 @@ class JobController:
                     {"set": ws, "mount_location": w.normalized_mount}
                     for ws, w in zip(self.weight_sets, job.weights, strict=True)
                 ],
+                cache_request(self.record),
             )
             for agent in self.agents
         ]
@@ -240,7 +281,11 @@ class JobController:
         nodes = [NodeInfo(**i) for i in infos]
         weights = [w.model_copy(update={"nodes": []}) for w in self.status.weights]
         record_deliveries(weights, infos, self.say)
-        self.status = self.status.model_copy(update={"nodes": nodes, "weights": weights})
+        updates: dict[str, Any] = {"nodes": nodes, "weights": weights}
+        if cache_enabled(self.record):
+            updates["cache"] = seeding_status(infos, self.cache_affinity)
+            self._say_lines(seeding_lines(updates["cache"]))
+        self.status = self.status.model_copy(update=updates)
         if job.runtime.checkpointing_config.enabled:
             self.uploaders = Uploaders(self.record, self.pg, nodes)
             self.helpers += self.uploaders.actors
@@ -321,7 +366,8 @@ class JobController:
         self._finish(JobState.FAILED, failure.cause, failure=failure)
 
     def _finish(self, state: JobState, reason: str, **updates: Any) -> None:
-        """Flush the checkpoints still on the nodes, then record the final state."""
+        """Flush the checkpoints still on the nodes and write the cache back, then record the
+        final state."""
         if self.uploaders is not None:
             self.say("uploading the checkpoints still on the nodes")
             # A stopping job has until Ray's stop grace (RAY_JOB_STOP_WAIT_TIME_S) runs out.
@@ -332,7 +378,29 @@ class JobController:
                 missing = [*summary.pending, *summary.failed]
                 self.say(f"checkpoints not uploaded: {', '.join(missing)}")
             updates["checkpoints"] = summary
+        if self.status.cache is not None and self.agents:
+            # A stopping job has little of Ray's stop grace left; the write-back goes on in
+            # the node's seeder after the wait ends.
+            updates["cache"] = self._write_back_cache(
+                STOP_WRITE_BACK_S if state == JobState.STOPPED else WRITE_BACK_S
+            )
         self.move(state, reason, **updates)
+
+    def _write_back_cache(self, timeout: float) -> CacheStatus:
+        """The leader's changes to the caches go back to the storage root, whatever the end."""
+        assert self.status.cache is not None
+        try:
+            result = ray.get(
+                self.agents[0].write_back_cache.remote(self.record.team, self.record.project),
+                timeout=timeout,
+            )
+        except Exception as e:
+            error = _short_error(e)
+            self.say(f"training cache not written back: {error}")
+            return self.status.cache.model_copy(update={"write_back_error": error})
+        total, line = write_back_line(result)
+        self.say(line)
+        return self.status.cache.model_copy(update={"written_back": total})
 
     def _say_lines(self, lines: list[str]) -> None:
         if lines:

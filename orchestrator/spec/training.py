@@ -71,13 +71,16 @@ class Compute(StrictModel):
         return self.accelerator.count
 
 
+DEFAULT_MOUNT_BASE_PATH = "/root/.cache"
+
+
 class CacheConfig(StrictModel):
     """Read-write directories that persist between jobs of a project and of a team."""
 
     enabled: StrictBool = False
     enable_legacy_hf_mount: StrictBool = False
     require_cache_affinity: StrictBool = True
-    mount_base_path: AbsolutePath = "/root/.cache"
+    mount_base_path: AbsolutePath = DEFAULT_MOUNT_BASE_PATH
 
 
 def _check_env_value(value: Any) -> Any:

@@ -98,6 +98,28 @@ class WeightsStatus(_Record):
     nodes: list[NodeDelivery] = Field(default_factory=list)
 
 
+class CacheNode(_Record):
+    """One node's seeding of the training cache (project and team caches together)."""
+
+    rank: int
+    node_id: str
+    had_copy: bool  # the node held the project's cache before this job
+    files_seeded: int
+    bytes_seeded: int
+    files_deleted: int
+    seconds: float
+
+
+class CacheStatus(_Record):
+    """Where the training cache was and what moving it cost."""
+
+    shared: bool = False  # on a filesystem every node mounts: nothing is seeded per node
+    affinity: str | None = None  # how require_cache_affinity placed the job
+    nodes: list[CacheNode] = Field(default_factory=list)
+    written_back: dict[str, int] | None = None  # files, bytes, deleted (both caches)
+    write_back_error: str | None = None
+
+
 class JobStatus(_Record):
     job_id: str
     state: JobState
@@ -106,6 +128,7 @@ class JobStatus(_Record):
     nodes: list[NodeInfo] = Field(default_factory=list)
     checkpoints: CheckpointSummary | None = None
     weights: list[WeightsStatus] = Field(default_factory=list)
+    cache: CacheStatus | None = None
 
     @classmethod
     def new(cls, job_id: str, reason: str | None = None) -> JobStatus:

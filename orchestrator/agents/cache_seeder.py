@@ -1,0 +1,128 @@
+"""The cache seeder: one actor per node keeping its copies of training caches in step.
+
+Before a job's commands start, each node's seeder brings the node's copy of the project cache
+and the team cache up to date from the storage root (only what changed). After the job, the
+leader's seeder writes the node's changes back. With `ORCHESTRATOR_SHARED_CACHE_DIR` (a
+filesystem every node mounts) the copies live there instead: every node of a job sees the same
+files, and seeding after the first node's finds nothing to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from orchestrator.agents.node_root import node_root
+from orchestrator.storage.root import StorageRoot
+from orchestrator.storage.training_cache import NO_TEAM, CacheStore, LocalCopy
+
+NAMESPACE = "orchestrator"
+SHARED_CACHE_DIR_ENV = "ORCHESTRATOR_SHARED_CACHE_DIR"
+NODE_TRAINING_CACHE_DIR_ENV = "ORCHESTRATOR_TRAINING_CACHE_DIR"
+
+
+def copies_dir() -> Path:
+    shared = os.environ.get(SHARED_CACHE_DIR_ENV)
+    if shared:
+        return Path(shared)
+    return Path(os.environ.get(NODE_TRAINING_CACHE_DIR_ENV) or node_root() / "training-cache")
+
+
+def holder_marker(team: str | None, project: str, node_id: str) -> str:
+    """Where a node notes that it holds a current copy (read for cache affinity)."""
+    return f"caches/{team or NO_TEAM}/projects/{project}/nodes/{node_id}.json"
+
+
+class CacheSeeder:
+    """A threaded Ray actor pinned to its node; its state is on disk (LocalCopy)."""
+
+    def __init__(self) -> None:
+        self.base = copies_dir()
+        self.shared = bool(os.environ.get(SHARED_CACHE_DIR_ENV))
+
+    def seed(self, storage_root: str, team: str | None, project: str) -> dict[str, Any]:
+        """Update this node's copies; their directories and what it took."""
+        started = time.monotonic()
+        root = StorageRoot(storage_root)
+        out: dict[str, Any] = {"shared": self.shared}
+        for scope, proj in (("project", project), ("team", None)):
+            copy_dir = self._copy_dir(team, proj)
+            with _locked(copy_dir):
+                copy = LocalCopy(copy_dir)
+                had_copy = bool(copy.synced())
+                report = CacheStore(root, team, proj).seed(copy)
+            out[scope] = {"path": str(copy.data), "had_copy": had_copy, **report.as_dict()}
+        self._mark_holder(root, team, project)
+        out["seconds"] = round(time.monotonic() - started, 3)
+        return out
+
+    def write_back(self, storage_root: str, team: str | None, project: str) -> dict[str, Any]:
+        started = time.monotonic()
+        root = StorageRoot(storage_root)
+        out: dict[str, Any] = {}
+        for scope, proj in (("project", project), ("team", None)):
+            copy_dir = self._copy_dir(team, proj)
+            with _locked(copy_dir):
+                report = CacheStore(root, team, proj).write_back(LocalCopy(copy_dir))
+            out[scope] = report.as_dict()
+        self._mark_holder(root, team, project)
+        out["seconds"] = round(time.monotonic() - started, 3)
+        return out
+
+    def _copy_dir(self, team: str | None, project: str | None) -> Path:
+        team_dir = self.base / (team or NO_TEAM)
+        return team_dir / "projects" / project if project is not None else team_dir / "team"
+
+    def _mark_holder(self, root: StorageRoot, team: str | None, project: str) -> None:
+        if self.shared:
+            return  # every node sees the shared copy: no node is preferred
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        root.write_json(holder_marker(team, project, node_id), {"at": time.time()})
+
+
+def holders(root: StorageRoot, team: str | None, project: str) -> list[str]:
+    """Node ids that have held the project's cache, most recent first."""
+    prefix = f"caches/{team or NO_TEAM}/projects/{project}/nodes"
+    names = [n.removesuffix(".json") for n in root.list_names(prefix) if n.endswith(".json")]
+    stamped = []
+    for node_id in names:
+        with contextlib.suppress(Exception):
+            stamped.append((root.read_json(f"{prefix}/{node_id}.json")["at"], node_id))
+    return [node_id for _, node_id in sorted(stamped, reverse=True)]
+
+
+def cache_seeder_here() -> Any:
+    """This node's seeder actor, started on first use."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return (
+        ray.remote(CacheSeeder)
+        .options(
+            name=f"orchestrator-cache-seeder-{node_id[:16]}",
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=8,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote()
+    )
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """One sync of a copy at a time, across jobs, actors and (on a shared filesystem) nodes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -1,0 +1,99 @@
+"""The controller's side of the training cache: where to place the job, and what moved.
+
+The seeding and write-back themselves happen on the nodes (`CacheSeeder`); this module decides
+which nodes the job would like (require_cache_affinity), builds each agent's request, and
+turns the agents' answers into the status and the log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from orchestrator.agents.cache_seeder import holders
+from orchestrator.sizes import human_bytes
+from orchestrator.spec.training import DEFAULT_MOUNT_BASE_PATH
+from orchestrator.storage.records import CacheNode, CacheStatus, JobRecord
+from orchestrator.storage.root import StorageRoot
+
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+def cache_enabled(record: JobRecord) -> bool:
+    cache = record.spec.job.runtime.cache_config
+    return cache is not None and cache.enabled
+
+
+def cache_request(record: JobRecord) -> dict[str, Any] | None:
+    """What every agent's `prepare` gets for the cache, or None without one."""
+    cache = record.spec.job.runtime.cache_config
+    if cache is None or not cache.enabled:
+        return None
+    return {
+        "team": record.team,
+        "project": record.project,
+        "mount_base_path": cache.mount_base_path,
+        # Baseten's default (written out or not: a stored record cannot tell) is relocated.
+        "explicit_base": cache.mount_base_path != DEFAULT_MOUNT_BASE_PATH,
+        "legacy_hf": cache.enable_legacy_hf_mount,
+    }
+
+
+def affinity_selector(record: JobRecord, node_count: int) -> list[dict[str, str]] | None:
+    """Bundle label selectors that keep the job on nodes holding its cache, if enough are alive.
+
+    None when affinity is off, or fewer live nodes hold the cache than the job has ranks.
+    """
+    cache = record.spec.job.runtime.cache_config
+    if cache is None or not cache.enabled or not cache.require_cache_affinity:
+        return None
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    held = [n for n in holders(StorageRoot(record.storage_root), record.team, record.project)
+            if n in alive]  # fmt: skip
+    if len(held) < node_count:
+        return None
+    return [{NODE_ID_LABEL: f"in({','.join(held)})"}] * node_count
+
+
+def seeding_status(infos: list[dict[str, Any]], affinity: str | None) -> CacheStatus:
+    """The status's `cache` from the agents' prepare results."""
+    nodes = []
+    shared = False
+    for info in infos:
+        seeded = info["cache"]
+        shared = shared or seeded["shared"]
+        parts = (seeded["project"], seeded["team"])
+        nodes.append(
+            CacheNode(
+                rank=info["rank"],
+                node_id=info["node_id"],
+                had_copy=seeded["project"]["had_copy"],
+                files_seeded=sum(p["files"] for p in parts),
+                bytes_seeded=sum(p["bytes"] for p in parts),
+                files_deleted=sum(p["deleted"] for p in parts),
+                seconds=seeded["seconds"],
+            )
+        )
+    return CacheStatus(shared=shared, affinity=affinity, nodes=nodes)
+
+
+def seeding_lines(status: CacheStatus) -> list[str]:
+    lines = []
+    for n in status.nodes:
+        copy = "had a copy" if n.had_copy else "no copy before"
+        lines.append(
+            f"rank {n.rank}: training cache ready in {n.seconds:.2f} s ({copy}; fetched "
+            f"{n.files_seeded} file(s), {human_bytes(n.bytes_seeded)}; removed {n.files_deleted})"
+        )
+    return lines
+
+
+def write_back_line(result: dict[str, Any]) -> tuple[dict[str, int], str]:
+    parts = (result["project"], result["team"])
+    total = {k: sum(p[k] for p in parts) for k in ("files", "bytes", "deleted")}
+    line = (
+        f"training cache written back by rank 0 in {result['seconds']:.2f} s: "
+        f"{total['files']} file(s), {human_bytes(total['bytes'])} sent, {total['deleted']} removed"
+    )
+    return total, line
