@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -61,22 +62,89 @@ def test_a_printed_secret_appears_nowhere(tmp_path, storage_root, ray_cluster):
     lines = job.logs()
     assert any(line.endswith("token is *****") for line in lines)
 
-    assert files_containing(Path(storage_root), NODE_SECRET_VALUE) == []
-    with urllib.request.urlopen(f"{ray_cluster.dashboard_url}/api/jobs/{job.id}") as response:
+    assert_nowhere(job.id, NODE_SECRET_VALUE, storage_root, ray_cluster.dashboard_url)
+
+
+def assert_nowhere(job_id: str, value: str, storage_root: str, dashboard_url: str) -> None:
+    """Not in the storage root, Ray's job API, `ray job logs` or `orchestrator logs`."""
+    assert files_containing(Path(storage_root), value) == []
+    with urllib.request.urlopen(f"{dashboard_url}/api/jobs/{job_id}") as response:
         api = response.read().decode()
-    assert json.loads(api)["submission_id"] == job.id
-    assert NODE_SECRET_VALUE not in api
+    assert json.loads(api)["submission_id"] == job_id
+    assert value not in api
     ray_logs = subprocess.run(
-        [str(Path(sys.executable).parent / "ray"), "job", "logs", job.id,
-         "--address", ray_cluster.dashboard_url],
+        [str(Path(sys.executable).parent / "ray"), "job", "logs", job_id,
+         "--address", dashboard_url],
         capture_output=True, text=True, timeout=60, env={**os.environ, **embedded_env()},
     )  # fmt: skip
     assert ray_logs.returncode == 0 and "token is *****" in ray_logs.stdout
-    assert NODE_SECRET_VALUE not in ray_logs.stdout + ray_logs.stderr
+    assert value not in ray_logs.stdout + ray_logs.stderr
     ours = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "logs", "--job-id", job.id,
+        [sys.executable, "-m", "orchestrator", "logs", "--job-id", job_id,
          "--storage-root", storage_root],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert ours.returncode == 0 and "token is *****" in ours.stdout
-    assert NODE_SECRET_VALUE not in ours.stdout
+    assert value not in ours.stdout
+
+
+STORE_JOB = """
+from orchestrator import definitions as d
+project = d.TrainingProject(
+    name="leaky-store",
+    team_name="{team}",
+    job=d.TrainingJob(
+        image=d.Image(base_image="python:3.11"),
+        compute=d.Compute(memory="256Mi"),
+        weights=[d.WeightsSource(source="hf://{repo}", mount_location="{mount}",
+                                 auth_secret_name="leak_hf_token")],
+        runtime=d.Runtime(
+            start_commands=["echo token is $API_TOKEN", "python check_token.py"],
+            environment_variables={{"API_TOKEN": d.SecretReference(name="leak_store_token")}},
+        ),
+    ),
+)
+"""
+
+
+def secrets_cli(*args: str, value: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "secrets", *args],
+        input=value, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_store_secrets_of_a_team_reach_its_job_and_appear_nowhere(
+    tmp_path, storage_root, ray_cluster, hub
+):
+    """Set with `orchestrator secrets set` (read from stdin): an env var's secret and a weights
+    source's token, both scoped to a team; another team's job cannot have them."""
+    token, hf_token = "st0re-9f2c61d07e3b", "hf_st0re_4a8e2b6c1d"
+    repo = f"acme/leak-{uuid.uuid4().hex[:6]}"
+    hub.add_repo(repo, {"model.bin": b"weights"}, token=hf_token)
+    for name, value in (("leak_store_token", token), ("leak_hf_token", hf_token)):
+        set_ = secrets_cli("set", name, "--team", "leakers", value=value + "\n")
+        assert set_.returncode == 0, set_.stderr
+        assert value not in set_.stdout + set_.stderr
+    try:
+        check = CHECK_TOKEN.replace(
+            hashlib.sha256(NODE_SECRET_VALUE.encode()).hexdigest(),
+            hashlib.sha256(token.encode()).hexdigest(),
+        )
+        config = STORE_JOB.format(team="leakers", repo=repo, mount=tmp_path / "mnt")
+        job = push(make_job(tmp_path / "job", config, {"check_token.py": check}),
+                   storage_root=storage_root)  # fmt: skip
+        assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+        for value in (token, hf_token):
+            assert_nowhere(job.id, value, storage_root, ray_cluster.dashboard_url)
+
+        config = STORE_JOB.format(team="others", repo=repo, mount=tmp_path / "mnt2")
+        other = push(make_job(tmp_path / "other", config, {"check_token.py": check}),
+                     storage_root=storage_root)  # fmt: skip
+        assert other.wait(timeout=120) == JobState.DEPLOY_FAILED
+        cause = other.details().failure.cause
+        assert "secret 'leak_hf_token' is not set for team 'others'" in cause
+        assert hf_token not in cause
+    finally:
+        for name in ("leak_store_token", "leak_hf_token"):
+            secrets_cli("delete", name, "--team", "leakers")

@@ -67,8 +67,8 @@ class WeightsMountError(OrchestratorError):
 class NodeAgent:
     """A Ray actor (threaded, so `stop` can run while `run_commands` streams)."""
 
-    def __init__(self, job_id: str, rank: int, storage_root: str) -> None:
-        self.job_id, self.rank = job_id, rank
+    def __init__(self, job_id: str, rank: int, storage_root: str, team: str | None = None) -> None:
+        self.job_id, self.rank, self.team = job_id, rank, team
         self.storage = StorageRoot(storage_root)
         self.base = node_root() / "jobs" / job_id / f"rank-{rank}"
         self.working_dir = self.base / "workspace"
@@ -110,7 +110,7 @@ class NodeAgent:
         mount_base_path, explicit_base, legacy_hf) asks for the training cache.
         """
         for name in secret_names:
-            resolve_secret(name)  # a missing secret fails the deploy, naming it
+            resolve_secret(name, self.team)  # a missing secret fails the deploy, naming it
         if self.working_dir.exists():
             shutil.rmtree(self.working_dir)
         self.working_dir.mkdir(parents=True)
@@ -221,7 +221,7 @@ class NodeAgent:
         if group is None:  # stopped while waiting for the other ranks
             yield ("result", {"exit_code": 0, "command": None, "last_lines": [], "stopped": True})
             return
-        values = {var: resolve_secret(name) for var, name in secrets.items()}
+        values = {var: resolve_secret(name, self.team) for var, name in secrets.items()}
         mask = SecretMasker(list(values.values()))
         group_env = group_environment(self.rank, group, gpus_per_node)
         if address := _cluster_address():

@@ -1,32 +1,58 @@
-"""Resolving `SecretReference`s where the commands run, and keeping their values out of logs."""
+"""Resolving `SecretReference`s where the commands run, and keeping their values out of logs.
+
+A secret is looked up in each of `secret_sources()` in turn: the cluster's secret store (on the
+head node, scoped by team), then the node's environment (ORCHESTRATOR_SECRET_<NAME>).
+"""
 
 from __future__ import annotations
 
-import os
 import re
 
+from orchestrator.agents.secret_service import ClusterSecretStore
 from orchestrator.errors import OrchestratorError
+from orchestrator.storage.secret_store import (
+    SECRET_ENV_PREFIX,
+    EnvSecrets,
+    SecretSource,
+    SecretStoreError,
+    secret_env_name,
+)
 
-SECRET_ENV_PREFIX = "ORCHESTRATOR_SECRET_"
+__all__ = [
+    "SECRET_ENV_PREFIX",
+    "SecretMasker",
+    "SecretNotFound",
+    "SecretStoreError",
+    "resolve_secret",
+    "secret_env_name",
+    "secret_sources",
+]
 
 
 class SecretNotFound(OrchestratorError):
-    pass
+    """No source has the secret; the message names it and every place that was asked."""
 
 
-def secret_env_name(name: str) -> str:
-    """`hf_access_token` -> `ORCHESTRATOR_SECRET_HF_ACCESS_TOKEN`."""
-    return SECRET_ENV_PREFIX + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+def secret_sources() -> list[SecretSource]:
+    """Where secrets come from, first match wins. A cloud secret manager would be added here."""
+    store = ClusterSecretStore()
+    return [store, EnvSecrets()] if store.available else [EnvSecrets()]
 
 
-def resolve_secret(name: str) -> str:
-    value = os.environ.get(secret_env_name(name))
-    if value is None:
-        raise SecretNotFound(
-            f"secret {name!r} is not set on this node: export {secret_env_name(name)} "
-            "in the environment the Ray node was started with"
-        )
-    return value
+def resolve_secret(name: str, team: str | None = None) -> str:
+    """The value a job of `team` gets for `name`; SecretNotFound (naming where it looked) if none.
+
+    SecretStoreError if the store cannot be read (unsafe permissions, head node gone).
+    """
+    sources = secret_sources()
+    for source in sources:
+        value = source.get(name, team)
+        if value is not None:
+            return value
+    looked = " nor ".join(source.describe(name, team) for source in sources)
+    if not any(isinstance(source, ClusterSecretStore) for source in sources):
+        looked += " (and no secret store is running on this cluster to ask)"
+    raise SecretNotFound(f"secret {name!r} is not set {looked}")
 
 
 class SecretMasker:

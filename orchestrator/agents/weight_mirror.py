@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.agents.secrets import SecretMasker, SecretNotFound, resolve_secret
+from orchestrator.agents.secrets import (
+    SecretMasker,
+    SecretNotFound,
+    SecretStoreError,
+    resolve_secret,
+)
 from orchestrator.agents.weight_sources import Source, SourceError, open_source
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.root import StorageRoot
@@ -69,7 +74,9 @@ class WeightMirror:
         self._lock = threading.Lock()
         self._flights: dict[str, _Flight] = {}
 
-    def mirror(self, storage_root: str, source: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def mirror(
+        self, storage_root: str, source: dict[str, Any], team: str | None = None
+    ) -> Iterator[dict[str, Any]]:
         """Yields {"progress": {...}} while copying and finally {"set": ..., "mirror": how}.
 
         `how` is "hit" (already mirrored), "miss" (this call copied it) or "shared" (another
@@ -77,8 +84,8 @@ class WeightMirror:
         """
         spec = WeightsSource.model_validate(source)
         try:
-            secret = resolve_secret(spec.secret_name) if spec.secret_name else None
-        except SecretNotFound as e:
+            secret = resolve_secret(spec.secret_name, team) if spec.secret_name else None
+        except (SecretNotFound, SecretStoreError) as e:
             yield {"error": str(e)}
             return
         mask = _masker(secret)

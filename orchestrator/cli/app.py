@@ -16,8 +16,10 @@ from orchestrator.cli import (
     cmd_validate,
     cmd_view,
 )
+from orchestrator.cli.cmd_cache import cache_app
 from orchestrator.cli.cmd_checkpoints import checkpoints_app
 from orchestrator.cli.cmd_cluster import cluster_app
+from orchestrator.cli.cmd_secrets import secrets_app
 from orchestrator.errors import ConfigError, OrchestratorError
 
 app = typer.Typer(
@@ -36,6 +38,8 @@ app.command("stop")(cmd_stop.stop)
 app.command("run")(cmd_run.run)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(checkpoints_app, name="checkpoints")
+app.add_typer(cache_app, name="cache")
+app.add_typer(secrets_app, name="secrets")
 
 _stderr = Console(stderr=True)
 

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.agents.node_agent import NodeAgent
 from orchestrator.agents.rendezvous import Rendezvous
+from orchestrator.agents.secret_service import start_secret_service
 from orchestrator.controller.checkpointing import (
     CheckpointNotFound,
     Uploaders,
@@ -121,6 +122,7 @@ class JobController:
             return self.status.state
         self.say(self._image_notice())
         try:
+            start_secret_service()  # on this node, the head: where `secrets set` writes
             self._mirror_weights()
             self._reserve()
             self._deploy()
@@ -161,6 +163,7 @@ class JobController:
         try:
             self.weight_sets = mirror_weights(
                 self.record.storage_root,
+                self.record.team,
                 sources,
                 self.say,
                 self._publish_weights,
@@ -254,7 +257,7 @@ class JobController:
                         placement_group=self.pg, placement_group_bundle_index=rank
                     ),
                     runtime_env=runtime_env,
-                ).remote(self.record.job_id, rank, self.record.storage_root)
+                ).remote(self.record.job_id, rank, self.record.storage_root, self.record.team)
             )
         job = self.record.spec.job
         secret_names = sorted({ref.name for ref in job.runtime.secret_references().values()})

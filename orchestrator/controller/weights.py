@@ -57,6 +57,7 @@ def weight_mirror() -> Any:
 
 def mirror_weights(
     storage_root: str,
+    team: str | None,
     sources: list[WeightsSource],
     say: Callable[[str], None],
     publish: Callable[[list[WeightsStatus]], None],
@@ -74,7 +75,7 @@ def mirror_weights(
     ]
     for request in requests:
         stream = mirror.mirror.options(num_returns="streaming").remote(
-            storage_root, request.spec.model_dump(mode="json")
+            storage_root, request.spec.model_dump(mode="json"), team
         )
         threading.Thread(target=_follow, args=(stream, request), daemon=True).start()
     last_report = time.monotonic()
