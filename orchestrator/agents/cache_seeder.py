@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.agents.node_root import node_root
+from orchestrator.agents.services import shared_actor, this_node_id
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.training_cache import NO_TEAM, CacheStore, LocalCopy
 
-NAMESPACE = "orchestrator"
 SHARED_CACHE_DIR_ENV = "ORCHESTRATOR_SHARED_CACHE_DIR"
 NODE_TRAINING_CACHE_DIR_ENV = "ORCHESTRATOR_TRAINING_CACHE_DIR"
 
@@ -81,10 +81,7 @@ class CacheSeeder:
     def _mark_holder(self, root: StorageRoot, team: str | None, project: str) -> None:
         if self.shared:
             return  # every node sees the shared copy: no node is preferred
-        import ray
-
-        node_id = ray.get_runtime_context().get_node_id()
-        root.write_json(holder_marker(team, project, node_id), {"at": time.time()})
+        root.write_json(holder_marker(team, project, this_node_id()), {"at": time.time()})
 
 
 def holders(root: StorageRoot, team: str | None, project: str) -> list[str]:
@@ -100,23 +97,8 @@ def holders(root: StorageRoot, team: str | None, project: str) -> list[str]:
 
 def cache_seeder_here() -> Any:
     """This node's seeder actor, started on first use."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node_id = ray.get_runtime_context().get_node_id()
-    return (
-        ray.remote(CacheSeeder)
-        .options(
-            name=f"orchestrator-cache-seeder-{node_id[:16]}",
-            namespace=NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            max_concurrency=8,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        )
-        .remote()
-    )
+    name = f"orchestrator-cache-seeder-{this_node_id()[:16]}"
+    return shared_actor(CacheSeeder, name, pinned_here=True, max_concurrency=8)
 
 
 @contextlib.contextmanager

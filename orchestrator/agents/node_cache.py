@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.agents.node_root import node_root
+from orchestrator.agents.services import NAMESPACE, shared_actor, this_node_id
 from orchestrator.agents.weight_mirror import concurrency
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.set_cache import SetCache
 from orchestrator.storage.weights import WeightSet, file_path
 
-NAMESPACE = "orchestrator"
 NODE_CACHE_DIR_ENV = "ORCHESTRATOR_NODE_CACHE_DIR"
 NODE_CACHE_GIB_ENV = "ORCHESTRATOR_NODE_CACHE_GIB"
 CLUSTER_CACHE_DIR_ENV = "ORCHESTRATOR_CLUSTER_CACHE_DIR"
@@ -79,23 +79,8 @@ class NodeCache:
 
 def node_cache_here() -> Any:
     """This node's cache actor, started on first use; it outlives jobs, as its disk does."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node_id = ray.get_runtime_context().get_node_id()
-    return (
-        ray.remote(NodeCache)
-        .options(
-            name=f"orchestrator-node-cache-{node_id[:16]}",
-            namespace=NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            max_concurrency=16,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        )
-        .remote()
-    )
+    name = f"orchestrator-node-cache-{this_node_id()[:16]}"
+    return shared_actor(NodeCache, name, pinned_here=True, max_concurrency=16)
 
 
 def _alive(holder: str) -> bool:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from orchestrator.agents.services import NAMESPACE, shared_actor
 from orchestrator.errors import OrchestratorError
 from orchestrator.storage.secret_store import FileSecretStore, SecretStoreError, store_description
 
 SECRET_SERVICE_NAME = "orchestrator-secret-store"
-NAMESPACE = "orchestrator"
 _LOOKUP_TIMEOUT_S = 60  # a file read; anything near this means the head node is in trouble
 
 
@@ -41,22 +41,12 @@ def start_secret_service(directory: str | None = None) -> Any:
     (default: this node's `default_secrets_dir()`, evaluated in the actor) only counts for the
     call that starts it.
     """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node_id = ray.get_runtime_context().get_node_id()
-    return (
-        ray.remote(SecretStoreActor)
-        .options(
-            name=SECRET_SERVICE_NAME,
-            namespace=NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            max_concurrency=8,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        )
-        .remote(directory)
+    return shared_actor(
+        SecretStoreActor,
+        SECRET_SERVICE_NAME,
+        pinned_here=True,
+        max_concurrency=8,
+        args=(directory,),
     )
 
 

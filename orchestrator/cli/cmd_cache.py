@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from orchestrator.cli.options import StorageRootOption
+from orchestrator.cli.options import SortOrder, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json
 from orchestrator.client.cache import cache_summary, delete_cache, project_team
 
@@ -25,11 +25,6 @@ class SortKey(str, enum.Enum):
     filepath = "filepath"
     size = "size"
     modified = "modified"
-
-
-class SortOrder(str, enum.Enum):
-    asc = "asc"
-    desc = "desc"
 
 
 @cache_app.command("summarize")

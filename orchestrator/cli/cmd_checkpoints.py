@@ -22,7 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from orchestrator.cli.jobs_common import pick_job
-from orchestrator.cli.options import JobId, StorageRootOption
+from orchestrator.cli.options import JobId, SortOrder, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json
 from orchestrator.client.api import latest_job, list_jobs
 from orchestrator.client.connection import storage
@@ -41,11 +41,6 @@ class SortKey(str, enum.Enum):
     created = "created"
     size = "size"
     name = "name"
-
-
-class SortOrder(str, enum.Enum):
-    asc = "asc"
-    desc = "desc"
 
 
 @checkpoints_app.command("list")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated
 
 import typer
@@ -19,4 +20,11 @@ StorageRootOption = Annotated[
 JobId = Annotated[
     str | None, typer.Option("--job-id", help="Default: the most recent job (said so)")
 ]
+
+
+class SortOrder(str, enum.Enum):
+    asc = "asc"
+    desc = "desc"
+
+
 Project = Annotated[str | None, typer.Option("--project", help="Project name")]

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.agents.node_agent import NodeAgent
 from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.agents.secret_service import start_secret_service
+from orchestrator.agents.services import NAMESPACE
 from orchestrator.controller.checkpointing import (
     CheckpointNotFound,
     Uploaders,
@@ -51,7 +52,6 @@ from orchestrator.storage.records import (
     WeightsStatus,
 )
 
-NAMESPACE = "orchestrator"
 IMAGE_URI_ENV = "ORCHESTRATOR_USE_IMAGE_URI"
 POLL_S = 0.2
 STOP_GRACE_S = 10.0

@@ -15,12 +15,12 @@ from typing import Any
 
 import ray
 
+from orchestrator.agents.services import shared_actor
 from orchestrator.agents.weight_mirror import MIRROR_NAME, WeightMirror
 from orchestrator.sizes import human_bytes
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.records import NodeDelivery, WeightsStatus
 
-NAMESPACE = "orchestrator"
 REPORT_EVERY_S = 2.0
 
 
@@ -41,18 +41,7 @@ class _Request:
 
 def weight_mirror() -> Any:
     """The cluster's mirror actor, started by the first job that needs it."""
-    return (
-        ray.remote(WeightMirror)
-        .options(
-            name=MIRROR_NAME,
-            namespace=NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            max_concurrency=64,
-        )
-        .remote()
-    )
+    return shared_actor(WeightMirror, MIRROR_NAME, pinned_here=False, max_concurrency=64)
 
 
 def mirror_weights(

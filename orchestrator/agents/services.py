@@ -1,0 +1,41 @@
+"""Long-lived actors shared by every job on a cluster: one per cluster, or one per node.
+
+The weight mirror, the node caches, the cache seeders and the secret store keep their state on
+disk (or in the storage root), so a detached, named actor found or started on first use is all
+they need; Ray's `get_if_exists` makes concurrent first uses agree on one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAMESPACE = "orchestrator"
+
+
+def this_node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def shared_actor(
+    cls: type, name: str, *, pinned_here: bool, max_concurrency: int, args: tuple = ()
+) -> Any:
+    """The detached actor `name` of class `cls`, started if it is not running.
+
+    `pinned_here` keeps it on the caller's node: for actors that look after that node's disk.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options: dict[str, Any] = {
+        "name": name,
+        "namespace": NAMESPACE,
+        "lifetime": "detached",
+        "get_if_exists": True,
+        "num_cpus": 0,
+        "max_concurrency": max_concurrency,
+    }
+    if pinned_here:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(this_node_id(), soft=False)
+    return ray.remote(cls).options(**options).remote(*args)
