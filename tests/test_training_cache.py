@@ -154,6 +154,6 @@ def test_an_explicit_mount_base_path_is_honoured_or_refused(tmp_path, storage_ro
     bad = tmp_path / "a-file" / "cache"
     job = run(cache_job(tmp_path / "two", project, extra=f"mount_base_path={str(bad)!r}"),
               storage_root, JobState.DEPLOY_FAILED)  # fmt: skip
-    assert f"cannot create cache_config.mount_base_path {bad} on this node" in (
+    assert f"cannot create cache_config.mount_base_path {bad}/user_artifacts on this node" in (
         job.details().failure.cause
     )

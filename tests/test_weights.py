@@ -306,3 +306,15 @@ def test_the_node_cache_evicts_the_least_recently_used_set_under_its_budget(
         assert files_seen(back) == {"model.safetensors": "W" * 3000}
     finally:
         cluster.stop()
+
+
+def test_a_mount_location_holding_files_is_refused_and_left_alone(tmp_path, storage_root, bucket):
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "mine.txt").write_text("the user's own file")
+    weights = [{"source": f"s3://{bucket}/models/tiny", "mount_location": str(occupied)}]
+    job = run(weights_job(tmp_path / "job", weights), storage_root, JobState.DEPLOY_FAILED)
+    assert f"mount_location {occupied} already exists on this node and is not empty" in (
+        job.details().failure.cause
+    )
+    assert (occupied / "mine.txt").read_text() == "the user's own file"

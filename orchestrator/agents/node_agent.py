@@ -7,7 +7,6 @@ CUDA_VISIBLE_DEVICES is set for the bundle's GPUs and the commands inherit it.
 from __future__ import annotations
 
 import contextlib
-import getpass
 import hashlib
 import os
 import queue
@@ -26,11 +25,11 @@ from typing import Any
 
 from orchestrator.agents.cache_mounts import CacheMounts, mount_caches
 from orchestrator.agents.cache_seeder import cache_seeder_here
+from orchestrator.agents.mounts import place_link, remove_links
 from orchestrator.agents.node_cache import node_cache_here
 from orchestrator.agents.node_root import node_root
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
-from orchestrator.errors import OrchestratorError
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.root import StorageRoot
@@ -58,10 +57,6 @@ while True:
 sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
 """
 LAST_LINES = 50
-
-
-class WeightsMountError(OrchestratorError):
-    """A weight set cannot be shown at its mount_location on this node."""
 
 
 class NodeAgent:
@@ -179,25 +174,7 @@ class NodeAgent:
             node_cache_here().deliver.remote(self.storage.url, weight_set, self.actor_name)
         )
         mount = Path(mount_location)
-        if mount.is_symlink() or not mount.exists():
-            pass  # an earlier job's link is replaced below
-        elif mount.is_dir() and not any(mount.iterdir()):
-            mount.rmdir()
-        else:
-            raise WeightsMountError(
-                f"mount_location {mount} already exists on this node and is not empty: "
-                "choose another mount_location or remove it"
-            )
-        try:
-            mount.parent.mkdir(parents=True, exist_ok=True)
-            link = mount.with_name(f".{mount.name}.{os.getpid()}.link")
-            os.symlink(delivered["path"], link)
-            os.replace(link, mount)
-        except PermissionError:
-            raise WeightsMountError(
-                f"cannot create mount_location {mount} on this node: permission denied for user "
-                f"{getpass.getuser()}; choose a path below a directory that user can write"
-            ) from None
+        place_link(mount, delivered["path"], "mount_location")
         self._mounts.append((mount, delivered["path"]))
         # The whole of it as the job sees it: asking the cache, its copy if any, and the link.
         seconds = round(time.monotonic() - started, 4)
@@ -328,10 +305,7 @@ class NodeAgent:
         """Remove this job's mount links (not a later job's) and let the cache evict its sets."""
         import ray
 
-        for mount, target in self._mounts:
-            with contextlib.suppress(OSError):
-                if os.readlink(mount) == target:
-                    mount.unlink()
+        remove_links(self._mounts)
         if self._mounts and ray.is_initialized():
             with contextlib.suppress(Exception):
                 ray.get(node_cache_here().release.remote(self.actor_name), timeout=30)
