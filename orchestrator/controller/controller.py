@@ -122,7 +122,8 @@ class JobController:
             return self.status.state
         self.say(self._image_notice())
         try:
-            start_secret_service()  # on this node, the head: where `secrets set` writes
+            if self.record.spec.job.secret_references():
+                start_secret_service()  # on this node, the head: where `secrets set` writes
             self._mirror_weights()
             self._reserve()
             self._deploy()

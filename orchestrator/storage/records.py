@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import time
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from orchestrator.lifecycle import JobState, check_transition
 from orchestrator.spec.training import TrainingProject
 from orchestrator.storage.checkpoints import UploadSettings
+from orchestrator.storage.stored import Stored
 
-
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # records written by newer versions stay readable
+_Record = Stored
 
 
 class ArchiveRef(_Record):

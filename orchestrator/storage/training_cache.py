@@ -24,20 +24,20 @@ from pathlib import Path
 
 from pydantic import Field
 
-from orchestrator.storage.records import _Record
 from orchestrator.storage.root import StorageRoot
+from orchestrator.storage.stored import Stored
 
 NO_TEAM = "_default"  # the scope of projects pushed without a team
 CONCURRENCY = 8
 
 
-class CacheFile(_Record):
+class CacheFile(Stored):
     size: int
     mtime: float  # when it was last written on the node that wrote it back
     version: str
 
 
-class CacheManifest(_Record):
+class CacheManifest(Stored):
     files: dict[str, CacheFile] = Field(default_factory=dict)
     updated_at: float = 0.0
 

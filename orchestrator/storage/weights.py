@@ -16,16 +16,16 @@ import time
 
 from pydantic import Field
 
-from orchestrator.storage.records import _Record
 from orchestrator.storage.root import StorageRoot
+from orchestrator.storage.stored import Stored
 
 
-class WeightFile(_Record):
+class WeightFile(Stored):
     path: str  # relative, "/"-separated
     size: int
 
 
-class WeightSet(_Record):
+class WeightSet(Stored):
     """A mirrored source: exactly these files, committed at `created_at`."""
 
     key: str
