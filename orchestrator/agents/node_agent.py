@@ -21,18 +21,19 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from orchestrator.agents.cache_mounts import CacheMounts, mount_caches
-from orchestrator.agents.cache_seeder import cache_seeder_here
-from orchestrator.agents.mounts import place_link, remove_links
-from orchestrator.agents.node_cache import node_cache_here
 from orchestrator.agents.node_root import node_root
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.root import StorageRoot
+
+# Weights and the training cache are imported where a job uses them: every job's agent worker
+# imports this module while the job waits to start (docs/performance.md).
+if TYPE_CHECKING:
+    from orchestrator.agents.cache_mounts import CacheMounts
 
 # Not RAY_ADDRESS itself: a job may start a Ray head of its own, which that name would confuse.
 RAY_ADDRESS_ENV = "ORCHESTRATOR_RAY_ADDRESS"
@@ -152,6 +153,9 @@ class NodeAgent:
         """Seed this node's copies of the caches, then link them where the job looks."""
         import ray
 
+        from orchestrator.agents.cache_mounts import mount_caches
+        from orchestrator.agents.cache_seeder import cache_seeder_here
+
         seeded = ray.get(cache_seeder_here().seed.remote(self.storage.url, team, project))
         base = Path(mount_base_path) if explicit_base else self.base / "cache"
         self._cache_mounts = mount_caches(
@@ -163,11 +167,16 @@ class NodeAgent:
         """The leader's changes to the caches, back to the storage root (after its commands)."""
         import ray
 
+        from orchestrator.agents.cache_seeder import cache_seeder_here
+
         return ray.get(cache_seeder_here().write_back.remote(self.storage.url, team, project))
 
     def _place_weights(self, weight_set: dict[str, Any], mount_location: str) -> dict[str, Any]:
         """Get the set from this node's cache and show it at `mount_location` (a link, no copy)."""
         import ray
+
+        from orchestrator.agents.mounts import place_link
+        from orchestrator.agents.node_cache import node_cache_here
 
         started = time.monotonic()
         delivered = ray.get(
@@ -303,10 +312,15 @@ class NodeAgent:
 
     def _unmount_weights(self) -> None:
         """Remove this job's mount links (not a later job's) and let the cache evict its sets."""
+        if not self._mounts:
+            return
         import ray
 
+        from orchestrator.agents.mounts import remove_links
+        from orchestrator.agents.node_cache import node_cache_here
+
         remove_links(self._mounts)
-        if self._mounts and ray.is_initialized():
+        if ray.is_initialized():
             with contextlib.suppress(Exception):
                 ray.get(node_cache_here().release.remote(self.actor_name), timeout=30)
         self._mounts.clear()

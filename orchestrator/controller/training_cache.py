@@ -11,7 +11,6 @@ from typing import Any
 
 import ray
 
-from orchestrator.agents.cache_seeder import holders
 from orchestrator.sizes import human_bytes
 from orchestrator.spec.training import DEFAULT_MOUNT_BASE_PATH
 from orchestrator.storage.records import CacheNode, CacheStatus, JobRecord
@@ -48,6 +47,8 @@ def affinity_selector(record: JobRecord, node_count: int) -> list[dict[str, str]
     cache = record.spec.job.runtime.cache_config
     if cache is None or not cache.enabled or not cache.require_cache_affinity:
         return None
+    from orchestrator.agents.cache_seeder import holders  # jobs with a cache only
+
     alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     held = [n for n in holders(StorageRoot(record.storage_root), record.team, record.project)
             if n in alive]  # fmt: skip

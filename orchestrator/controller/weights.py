@@ -16,7 +16,6 @@ from typing import Any
 import ray
 
 from orchestrator.agents.services import shared_actor
-from orchestrator.agents.weight_mirror import MIRROR_NAME, WeightMirror
 from orchestrator.sizes import human_bytes
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.records import NodeDelivery, WeightsStatus
@@ -41,6 +40,8 @@ class _Request:
 
 def weight_mirror() -> Any:
     """The cluster's mirror actor, started by the first job that needs it."""
+    from orchestrator.agents.weight_mirror import MIRROR_NAME, WeightMirror  # its jobs only
+
     return shared_actor(WeightMirror, MIRROR_NAME, pinned_here=False, max_concurrency=64)
 
 
