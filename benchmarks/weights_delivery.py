@@ -172,11 +172,11 @@ def raw_get(remote: list[str], dest: Path) -> Callable[[int], Copy]:
 
 
 def our_copy(source: str, dest: Path, resolve_s: list[float]) -> Callable[[int], Copy]:
-    from orchestrator.agents.weight_mirror import CONCURRENCY_ENV, Progress, copy_set
+    from orchestrator.agents.weight_mirror import Progress, copy_set
     from orchestrator.agents.weight_sources import open_source
     from orchestrator.spec.weights import WeightsSource
     from orchestrator.storage.root import StorageRoot
-    from orchestrator.storage.weights import MirrorStore, set_key
+    from orchestrator.storage.weights import CONCURRENCY_ENV, MirrorStore, set_key
 
     spec = WeightsSource(source=source, mount_location="/mnt/bench-weights")
 

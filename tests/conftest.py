@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,6 +138,15 @@ def root(request, tmp_path, s3_server) -> StorageRoot:
 @pytest.fixture
 def storage_root(tmp_path: Path) -> str:
     return str(tmp_path / "storage")
+
+
+def eventually(predicate, what: str, timeout: float = 30) -> None:
+    """Wait for `predicate` with a deadline: a job's nodes are cleaned just after it ends."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
 
 
 def make_job(directory: Path, config_body: str, files: dict[str, str] | None = None) -> Path:

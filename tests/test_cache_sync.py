@@ -101,3 +101,57 @@ def test_on_a_shared_filesystem_every_node_works_on_one_copy(tmp_path, monkeypat
     assert os.listdir(seeded_b["project"]["path"]) == ["from-a.txt"]
     assert node_a.write_back(storage, "t", "proj")["project"]["files"] == 1
     assert not StorageRoot(storage).exists("caches/t/projects/proj/nodes"), "no node preferred"
+
+
+def test_a_running_jobs_change_survives_another_nodes_newer_write_back(tmp_path):
+    """Node N changed x (not yet written back) when M wrote x back: seeding N keeps N's x, and
+    N's later write-back, finishing last, wins."""
+    root = StorageRoot(tmp_path / "root")
+    store = CacheStore(root, None, "proj")
+    n, m = LocalCopy(tmp_path / "n"), LocalCopy(tmp_path / "m")
+    write(n, "x", "v1")
+    store.write_back(n)
+    store.seed(m)
+    write(n, "x", "n's edit")
+    write(m, "x", "m's edit")
+    store.write_back(m)
+    store.seed(n)
+    assert files(n) == {"x": "n's edit"}
+    store.write_back(n)
+    fresh = LocalCopy(tmp_path / "fresh")
+    store.seed(fresh)
+    assert files(fresh) == {"x": "n's edit"}
+
+
+def test_odd_names_travel_and_login_tokens_do_not(root, tmp_path):
+    store = CacheStore(root, None, "proj")
+    a = LocalCopy(tmp_path / "a")
+    for name in ("a[1].txt", "a1.txt", "q?.txt", "star*.txt", "huggingface/hub/model.bin"):
+        write(a, name, name)
+    write(a, "huggingface/token", "hf_secret_login_token")
+    write(a, "huggingface/stored_tokens", "[default]\nhf_token = hf_secret_login_token\n")
+    store.write_back(a)
+    (a.data / "a[1].txt").unlink()
+    assert store.write_back(a).deleted == 1
+    fresh = LocalCopy(tmp_path / "fresh")
+    store.seed(fresh)
+    assert sorted(files(fresh)) == ["a1.txt", "huggingface/hub/model.bin", "q?.txt", "star*.txt"]
+    assert "huggingface/token" not in store.manifest().files
+
+
+def test_seeding_skips_an_object_replaced_under_it(tmp_path):
+    """A write-back finishing while a node seeds removes the version it read: no failure, the
+    file is fetched at the next seeding."""
+    root = StorageRoot(tmp_path / "root")
+    store = CacheStore(root, None, "proj")
+    a = LocalCopy(tmp_path / "a")
+    write(a, "x", "v1")
+    write(a, "y", "y1")
+    store.write_back(a)
+    version = store.manifest().files["x"].version
+    root.fs.rm_file(root.path(f"{store.base}/objects/{version}"))
+    fresh = LocalCopy(tmp_path / "fresh")
+    assert store.seed(fresh).files == 1 and files(fresh) == {"y": "y1"}
+    write(a, "x", "v2")
+    store.write_back(a)
+    assert store.seed(fresh).files == 1 and files(fresh) == {"x": "v2", "y": "y1"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from conftest import HF_TOKEN, HF_TOKEN_SECRET, HF_WRONG_TOKEN_SECRET, make_job
+from conftest import HF_TOKEN, HF_TOKEN_SECRET, HF_WRONG_TOKEN_SECRET, eventually, make_job
 
 from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV, NODE_CACHE_GIB_ENV
 from orchestrator.client.api import push
@@ -98,7 +98,7 @@ def test_a_first_job_mirrors_and_a_second_gets_a_node_hit(tmp_path, storage_root
     assert status.mirror == "miss" and status.files_total == 3 and status.bytes_total == 3019
     assert [n.tier for n in status.nodes] == ["mirror"]
     assert any("mirrored revision" in line for line in first.logs())
-    assert not Path(mount).exists(), "the mount is removed when the job ends"
+    eventually(lambda: not Path(mount).exists(), "the mount to be removed when the job ends")
 
     # The mirror's files are gone: the second job can only be served by the node's cache.
     root = StorageRoot(storage_root)

@@ -13,16 +13,15 @@ import shutil
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from orchestrator.agents.node_root import node_root
 from orchestrator.agents.services import NAMESPACE, shared_actor, this_node_id
-from orchestrator.agents.weight_mirror import concurrency
+from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.set_cache import SetCache
-from orchestrator.storage.weights import WeightSet, file_path
+from orchestrator.storage.weights import WeightSet, copy_concurrency, file_path
 
 NODE_CACHE_DIR_ENV = "ORCHESTRATOR_NODE_CACHE_DIR"
 NODE_CACHE_GIB_ENV = "ORCHESTRATOR_NODE_CACHE_GIB"
@@ -108,8 +107,7 @@ def _from_mirror(root: StorageRoot, ws: WeightSet) -> Any:
         def one(path: str) -> None:
             root.get_file(file_path(ws.key, path), dest / path)
 
-        with ThreadPoolExecutor(max_workers=concurrency()) as pool:
-            list(pool.map(one, [f.path for f in ws.files]))
+        parallel_map(one, [f.path for f in ws.files], copy_concurrency())
         _check_sizes(dest, ws)
 
     return fill
@@ -131,8 +129,9 @@ def _check_sizes(dest: Path, ws: WeightSet) -> None:
 
 
 def _budget(directory: Path, env: str) -> int:
-    """From `env` (GiB), else 80% of the disk's free space when the cache starts."""
+    """From `env` (GiB), else 80% of what the cache could use when it starts: the disk's free
+    space plus what the cache already holds (a restart must not shrink it)."""
     if value := os.environ.get(env):
         return int(float(value) * GIB)
-    directory.mkdir(parents=True, exist_ok=True)
-    return int(shutil.disk_usage(directory).free * 0.8)
+    held = SetCache(directory, 0).usage()["used_bytes"]
+    return int((shutil.disk_usage(directory).free + held) * 0.8)

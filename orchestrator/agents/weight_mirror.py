@@ -2,8 +2,9 @@
 
 One named actor per cluster. A job's controller asks it for each of its sources while the job is
 CREATED, before any compute is reserved. The source's revision is checked on every request (the
-freshness check, made with the asking job's own credentials, so a job that cannot read a private
-source never gets it from the mirror); a revision already mirrored costs nothing more. Two jobs
+freshness check, made with the asking job's credentials: its secret, or for an object store the
+nodes' own when it names none, which its commands could use anyway), so a job that cannot read a
+source never gets it from the mirror; a revision already mirrored costs nothing more. Two jobs
 asking for the same revision at once share one copy (single-flight).
 """
 
@@ -16,8 +17,8 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,21 +29,22 @@ from orchestrator.agents.secrets import (
     SecretStoreError,
     resolve_secret,
 )
-from orchestrator.agents.weight_sources import Source, SourceError, open_source
+from orchestrator.agents.weight_sources import Source, SourceError, first_line, open_source
 from orchestrator.spec.weights import WeightsSource
+from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.weights import (
     MirrorStore,
     WeightFile,
     WeightSet,
+    copy_concurrency,
     file_path,
     select,
+    set_dir,
     set_key,
 )
 
 MIRROR_NAME = "orchestrator-weight-mirror"
-CONCURRENCY_ENV = "ORCHESTRATOR_WEIGHTS_CONCURRENCY"
-DEFAULT_CONCURRENCY = 8
 PROGRESS_EVERY_S = 1.0
 
 
@@ -65,6 +67,7 @@ class _Flight:
     done: threading.Event = field(default_factory=threading.Event)
     result: WeightSet | None = None
     error: str | None = None
+    found: bool = False  # committed by an earlier copy after this one was asked for
 
 
 class WeightMirror:
@@ -115,14 +118,15 @@ class WeightMirror:
         except SourceError as e:
             yield {"error": mask(str(e))}
             return
+        except Exception as e:  # the storage root, a client library: say why, never a secret
+            yield {"error": mask(f"{spec.source}: {type(e).__name__}: {first_line(e)}")}
+            return
         if flight.error is not None:
             yield {"error": flight.error}
         else:
             assert flight.result is not None
-            yield {
-                "set": flight.result.model_dump(mode="json"),
-                "mirror": "miss" if leader else "shared",
-            }
+            how = "hit" if flight.found else "miss" if leader else "shared"
+            yield {"set": flight.result.model_dump(mode="json"), "mirror": how}
 
     def _copy(
         self,
@@ -136,11 +140,15 @@ class WeightMirror:
         mask: SecretMasker,
     ) -> None:
         try:
-            flight.result = copy_set(src, spec, revision, key, store, flight.progress)
+            # Another flight may have committed between this one's check and its start.
+            if (existing := store.manifest(key)) is not None:
+                flight.result, flight.found = existing, True
+            else:
+                flight.result = copy_set(src, spec, revision, key, store, flight.progress)
         except SourceError as e:
             flight.error = mask(str(e))
         except Exception as e:
-            flight.error = mask(f"{spec.source}: {type(e).__name__}: {e}")
+            flight.error = mask(f"{spec.source}: {type(e).__name__}: {first_line(e)}")
         finally:
             with self._lock:
                 self._flights.pop(flight_id, None)
@@ -176,25 +184,36 @@ def copy_set(
         target = file_path(key, path)
         if root.is_local:  # straight into place, renamed when whole
             final = Path(root.path(target))
-            tmp = final.with_name(f".{final.name}.partial")
-            src.fetch(path, tmp)
-            os.replace(tmp, final)
-            size = final.stat().st_size
+            local = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.partial")
         else:  # through local disk: the source's client and the root's may differ
             assert staging is not None
             local = staging / path
+        try:
             src.fetch(path, local)
             size = local.stat().st_size
-            root.put_file(local, target)
-            local.unlink()
+            if by_path[path].size and size != by_path[path].size:
+                raise SourceError(
+                    f"{spec.source}: {path} arrived with {size} bytes, the source lists "
+                    f"{by_path[path].size}"
+                )
+            if root.is_local:
+                os.replace(local, final)
+            else:
+                root.put_file(local, target)
+        finally:
+            local.unlink(missing_ok=True)
         with lock:
             progress.files_done += 1
             progress.bytes_done += size
         return WeightFile(path=path, size=size)
 
     try:
-        with ThreadPoolExecutor(max_workers=concurrency()) as pool:
-            files = list(pool.map(one, chosen))
+        files = parallel_map(one, chosen, copy_concurrency())
+    except BaseException:
+        # Nobody reads a set without its manifest; its files would only take up room.
+        with contextlib.suppress(Exception):
+            root.fs.rm(root.path(set_dir(key)), recursive=True)
+        raise
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -209,10 +228,6 @@ def copy_set(
     )
     store.commit(weight_set)
     return weight_set
-
-
-def concurrency() -> int:
-    return max(1, int(os.environ.get(CONCURRENCY_ENV) or DEFAULT_CONCURRENCY))
 
 
 def _masker(secret: str | None) -> SecretMasker:

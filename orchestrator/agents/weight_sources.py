@@ -137,17 +137,19 @@ def _hub_errors(source: HubSource) -> Any:
         ) from None
     except errors.RevisionNotFoundError:
         raise SourceError(f"{where}: revision {source.requested!r} not found") from None
+    except errors.LocalEntryNotFoundError as e:  # how a download reports an unreachable Hub
+        raise SourceError(f"{where}: cannot reach {source.api.endpoint}: {first_line(e)}") from None
     except (errors.EntryNotFoundError, errors.RemoteEntryNotFoundError) as e:
-        raise SourceError(f"{where}: file not found: {_first_line(e)}") from None
+        raise SourceError(f"{where}: file not found: {first_line(e)}") from None
     except errors.HfHubHTTPError as e:
         code = getattr(e.response, "status_code", None)
         if code in (401, 403):
             raise SourceError(
                 f"{where}: access denied ({code}): check the source's secret"
             ) from None
-        raise SourceError(f"{where}: {_first_line(e)}") from None
-    except OSError as e:  # connection refused, DNS, disk
-        raise SourceError(f"{where}: {type(e).__name__}: {_first_line(e)}") from None
+        raise SourceError(f"{where}: {first_line(e)}") from None
+    except Exception as e:  # connection refused (httpx's own errors), DNS, disk
+        raise SourceError(f"{where}: {type(e).__name__}: {first_line(e)}") from None
 
 
 class FsspecSource:
@@ -176,6 +178,8 @@ class FsspecSource:
             rel = posixpath.basename(full) if single else full[len(self.root) :].lstrip("/")
             if single and self.identity.startswith("https://"):
                 rel = posixpath.basename(urlsplit(self.identity).path)
+            if not rel or any(part in ("", ".", "..") for part in rel.split("/")):
+                raise SourceError(f"{self.identity}: cannot place an object named {full!r}")
             self._files[rel] = full
             self._sizes[rel] = int(info.get("size") or 0)
             entries.append((rel, self._sizes[rel], _version_tag(info)))
@@ -208,11 +212,11 @@ def _fs_errors(where: str) -> Any:
     except SourceError:
         raise
     except FileNotFoundError as e:
-        raise SourceError(f"{where}: not found ({_first_line(e)})") from None
+        raise SourceError(f"{where}: not found ({first_line(e)})") from None
     except PermissionError:
         raise SourceError(f"{where}: access denied: check the source's secret") from None
     except Exception as e:  # the clients' own errors (botocore, aiohttp, google) vary widely
-        text = _first_line(e)
+        text = first_line(e)
         if any(s in text for s in ("AccessDenied", "Forbidden", "403", "401", "InvalidAccessKey")):
             raise SourceError(
                 f"{where}: access denied: check the source's secret ({text})"
@@ -281,6 +285,7 @@ def _json_secret(source: str, secret: str | None, required: tuple[str, ...]) -> 
     return creds
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An error's first line, short enough for a status or a log line."""
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__

@@ -1,34 +1,36 @@
 """The training cache's durable copy in the storage root, and syncing a node's copy with it.
 
-caches/<team>/projects/<project>/files/<path>    the project cache ($BT_PROJECT_CACHE_DIR)
-caches/<team>/projects/<project>/manifest.json   CacheManifest: every file with its version
-caches/<team>/team/files/<path>                  the team cache ($BT_TEAM_CACHE_DIR)
-caches/<team>/team/manifest.json
+caches/<team>/projects/<project>/manifest.json     CacheManifest: every file with its version
+caches/<team>/projects/<project>/objects/<version> one file's content at one version
+caches/<team>/team/manifest.json, objects/          the team cache ($BT_TEAM_CACHE_DIR)
 
 A node keeps a working copy (`data/`) and what it last synced (`sync.json`: each file's size,
 mtime and the version it had). Seeding brings the copy up to date, fetching only files whose
 version changed; write-back sends only files changed on the node since then. Conflict rule: per
 file, the last write-back wins; a file changed by two jobs at once keeps the version of the job
-that finished last, and files changed by only one of them are never lost.
+that finished last, and files changed by only one of them are kept (unless two write-backs
+write the manifest at the same instant: object stores offer no lock, see docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field
 
+from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.stored import Stored
 
 NO_TEAM = "_default"  # the scope of projects pushed without a team
 CONCURRENCY = 8
+NEVER_SYNCED = frozenset({"huggingface/token", "huggingface/stored_tokens"})
 
 
 class CacheFile(Stored):
@@ -79,56 +81,74 @@ class CacheStore:
         """Empty the cache; nodes drop their copies of its files at their next seeding."""
         before = self.manifest()
         self._write_manifest(CacheManifest(updated_at=time.time()))
-        if self.root.exists(f"{self.base}/files"):
-            self.root.fs.rm(self.root.path(f"{self.base}/files"), recursive=True)
+        if self.root.exists(f"{self.base}/objects"):
+            self.root.fs.rm(self.root.path(f"{self.base}/objects"), recursive=True)
         return before
 
     def seed(self, copy: LocalCopy) -> SyncReport:
-        """Bring the node's copy up to date: fetch what changed, drop what was deleted."""
+        """Bring the node's copy up to date: fetch what changed, drop what was deleted.
+
+        A file this node changed (or deleted, or created) since its last sync stays as it is:
+        it is this node's to write back.
+        """
         durable = self.manifest().files
         synced = copy.synced()
-        stale = [p for p, f in durable.items() if not copy.is_current(p, f.version, synced)]
+        stale = []
+        for path, f in durable.items():
+            entry = synced.get(path)
+            if entry is None:
+                if not (copy.data / path).exists():
+                    stale.append(path)
+            elif not copy.changed_here(path, entry) and entry["version"] != f.version:
+                stale.append(path)
 
         def fetch(path: str) -> int:
             local = copy.data / path
             local.parent.mkdir(parents=True, exist_ok=True)
             tmp = local.with_name(f".{local.name}.{uuid.uuid4().hex[:6]}.seeding")
-            self.root.get_file(f"{self.base}/files/{path}", tmp)
+            try:
+                self.root.get_file(self._object(durable[path].version), tmp)
+            except FileNotFoundError:  # replaced by a write-back finishing now: next time
+                return -1
             mtime = durable[path].mtime
             os.utime(tmp, (mtime, mtime))
             os.replace(tmp, local)
+            synced[path] = copy.entry(path, durable[path].version)
             return local.stat().st_size
 
-        with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
-            sizes = list(pool.map(fetch, stale))
-        for path in stale:
-            synced[path] = copy.entry(path, durable[path].version)
+        sizes = [n for n in parallel_map(fetch, stale, CONCURRENCY) if n >= 0]
         # Files deleted from the durable copy (by another job's write-back or `cache delete`) go
-        # from this node too, unless changed here since: those are this node's to write back.
+        # from this node too, unless changed here since.
         deleted = 0
         for path in [p for p in synced if p not in durable]:
-            if copy.unchanged(path, synced[path]):
+            if not copy.changed_here(path, synced[path]):
                 (copy.data / path).unlink(missing_ok=True)
                 deleted += 1
             del synced[path]
         copy.save(synced)
-        return SyncReport(len(stale), sum(sizes), deleted)
+        return SyncReport(len(sizes), sum(sizes), deleted)
 
     def write_back(self, copy: LocalCopy) -> SyncReport:
-        """Send what changed on the node since its last sync; record deletions."""
+        """Send what changed on the node since its last sync; record deletions.
+
+        Each upload is a new object named by its version, so a concurrent write-back or seeding
+        never sees a half-replaced file; superseded objects go once the manifest no longer
+        names them.
+        """
         synced = copy.synced()
         present = copy.scan()
-        changed = [p for p in present if p not in synced or not copy.unchanged(p, synced[p])]
+        changed = [p for p, st in present.items() if p not in synced or _stat(synced[p]) != st]
         removed = [p for p in synced if p not in present]
         versions = {p: uuid.uuid4().hex[:16] for p in changed}
 
         def send(path: str) -> None:
-            self.root.put_file(copy.data / path, f"{self.base}/files/{path}")
+            self.root.put_file(copy.data / path, self._object(versions[path]))
 
-        with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
-            list(pool.map(send, changed))
+        parallel_map(send, changed, CONCURRENCY)
         if changed or removed:
             manifest = self.manifest()  # read again just before writing: others' changes stay
+            superseded = [manifest.files[p].version for p in [*changed, *removed]
+                          if p in manifest.files]  # fmt: skip
             for path in changed:
                 size, mtime_ns = present[path]
                 manifest.files[path] = CacheFile(
@@ -138,18 +158,26 @@ class CacheStore:
                 manifest.files.pop(path, None)
             manifest.updated_at = time.time()
             self._write_manifest(manifest)
-            for path in removed:
-                if self.root.exists(f"{self.base}/files/{path}"):
-                    self.root.fs.rm(self.root.path(f"{self.base}/files/{path}"))
-        for path in changed:
-            synced[path] = copy.entry(path, versions[path])
+            for version in superseded:
+                with contextlib.suppress(FileNotFoundError):
+                    self.root.fs.rm_file(self.root.path(self._object(version)))
+        for path in changed:  # as scanned: a file changed during its upload is sent again
+            size, mtime_ns = present[path]
+            synced[path] = {"size": size, "mtime_ns": mtime_ns, "version": versions[path]}
         for path in removed:
             synced.pop(path, None)
         copy.save(synced)
         return SyncReport(len(changed), sum(present[p][0] for p in changed), len(removed))
 
+    def _object(self, version: str) -> str:
+        return f"{self.base}/objects/{version}"
+
     def _write_manifest(self, manifest: CacheManifest) -> None:
         self.root.write_json(f"{self.base}/manifest.json", manifest.model_dump(mode="json"))
+
+
+def _stat(entry: dict) -> tuple[int, int]:
+    return entry["size"], entry["mtime_ns"]
 
 
 class LocalCopy:
@@ -173,30 +201,28 @@ class LocalCopy:
         os.replace(tmp, self._sync)
 
     def scan(self) -> dict[str, tuple[int, int]]:
-        """Every regular file under data/ (symlinks and in-flight seeding files skipped)."""
+        """Every regular file under data/, but links, files being seeded, and Hugging Face login
+        tokens (HF_HOME may point into the cache: a token must not travel with it)."""
         found = {}
         for dirpath, _, names in os.walk(self.data):
             for name in names:
                 path = Path(dirpath) / name
-                if path.is_symlink() or name.endswith(".seeding"):
+                rel = path.relative_to(self.data).as_posix()
+                if path.is_symlink() or name.endswith(".seeding") or rel in NEVER_SYNCED:
                     continue
-                st = path.stat()
-                found[path.relative_to(self.data).as_posix()] = (st.st_size, st.st_mtime_ns)
+                with contextlib.suppress(FileNotFoundError):  # deleted while we looked
+                    st = path.stat()
+                    found[rel] = (st.st_size, st.st_mtime_ns)
         return found
 
     def entry(self, path: str, version: str) -> dict:
         st = (self.data / path).stat()
         return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": version}
 
-    def unchanged(self, path: str, entry: dict) -> bool:
+    def changed_here(self, path: str, entry: dict) -> bool:
+        """Changed or deleted on this node since it last synced `path`."""
         try:
             st = (self.data / path).stat()
         except FileNotFoundError:
             return True
-        return (st.st_size, st.st_mtime_ns) == (entry["size"], entry["mtime_ns"])
-
-    def is_current(self, path: str, version: str, synced: dict[str, dict]) -> bool:
-        """This node has that version, or a change of its own made on top of it (kept, to be
-        written back)."""
-        entry = synced.get(path)
-        return entry is not None and entry["version"] == version and (self.data / path).exists()
+        return (st.st_size, st.st_mtime_ns) != _stat(entry)

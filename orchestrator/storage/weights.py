@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import os
 import time
 
 from pydantic import Field
@@ -64,6 +65,14 @@ def select(paths: list[str], allow: list[str] | None, ignore: list[str] | None) 
         if (allow_ is None or any(fnmatch.fnmatch(p, a) for a in allow_))
         and not (ignore_ and any(fnmatch.fnmatch(p, i) for i in ignore_))
     ]
+
+
+CONCURRENCY_ENV = "ORCHESTRATOR_WEIGHTS_CONCURRENCY"
+
+
+def copy_concurrency() -> int:
+    """Files of a set copied at once (by the mirror, and by a node filling its cache)."""
+    return max(1, int(os.environ.get(CONCURRENCY_ENV) or 8))
 
 
 def set_dir(key: str) -> str:
