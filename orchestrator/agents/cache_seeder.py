@@ -97,8 +97,13 @@ def holders(root: StorageRoot, team: str | None, project: str) -> list[str]:
 
 def cache_seeder_here() -> Any:
     """This node's seeder actor, started on first use."""
-    name = f"orchestrator-cache-seeder-{this_node_id()[:16]}"
-    return shared_actor(CacheSeeder, name, pinned_here=True, max_concurrency=8)
+    return shared_actor(
+        CacheSeeder, cache_seeder_name(this_node_id()), pinned_here=True, max_concurrency=8
+    )
+
+
+def cache_seeder_name(node_id: str) -> str:
+    return f"orchestrator-cache-seeder-{node_id[:16]}"
 
 
 @contextlib.contextmanager

@@ -163,14 +163,6 @@ class NodeAgent:
         )
         return {**seeded, "env": self._cache_mounts.env}
 
-    def write_back_cache(self, team: str | None, project: str) -> dict[str, Any]:
-        """The leader's changes to the caches, back to the storage root (after its commands)."""
-        import ray
-
-        from orchestrator.agents.cache_seeder import cache_seeder_here
-
-        return ray.get(cache_seeder_here().write_back.remote(self.storage.url, team, project))
-
     def _place_weights(self, weight_set: dict[str, Any], mount_location: str) -> dict[str, Any]:
         """Get the set from this node's cache and show it at `mount_location` (a link, no copy)."""
         import ray

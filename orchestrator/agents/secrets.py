@@ -56,10 +56,16 @@ def resolve_secret(name: str, team: str | None = None) -> str:
 
 
 class SecretMasker:
-    """Replaces every known secret value in a line with `*****`."""
+    """Replaces every known secret value in a line with `*****`.
+
+    Output is masked line by line, so a value of several lines (a PEM key, a JSON credential) is
+    also masked line by line. Pieces shorter than 4 characters are left: masking them would
+    garble ordinary output and hide nothing.
+    """
 
     def __init__(self, values: list[str]) -> None:
-        longest_first = sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)
+        pieces = {v for v in values} | {ln.strip() for v in values for ln in v.splitlines()}
+        longest_first = sorted({p for p in pieces if len(p) >= 4}, key=len, reverse=True)
         self._pattern = (
             re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
         )

@@ -56,7 +56,7 @@ IMAGE_URI_ENV = "ORCHESTRATOR_USE_IMAGE_URI"
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
 CACHE_AFFINITY_WAIT_S = 3.0
-WRITE_BACK_S, STOP_WRITE_BACK_S = 600.0, 10.0
+WRITE_BACK_S = 600.0
 STOP_FLUSH_S = 40.0  # within the 60 s RAY_JOB_STOP_WAIT_TIME_S, after the commands' grace
 
 
@@ -382,22 +382,29 @@ class JobController:
                 missing = [*summary.pending, *summary.failed]
                 self.say(f"checkpoints not uploaded: {', '.join(missing)}")
             updates["checkpoints"] = summary
-        if self.status.cache is not None and self.agents:
-            # A stopping job has little of Ray's stop grace left; the write-back goes on in
-            # the node's seeder after the wait ends.
-            updates["cache"] = self._write_back_cache(
-                STOP_WRITE_BACK_S if state == JobState.STOPPED else WRITE_BACK_S
-            )
+        if self.status.cache is not None and self.status.nodes:
+            updates["cache"] = self._write_back_cache(wait=state != JobState.STOPPED)
         self.move(state, reason, **updates)
 
-    def _write_back_cache(self, timeout: float) -> CacheStatus:
-        """The leader's changes to the caches go back to the storage root, whatever the end."""
+    def _write_back_cache(self, wait: bool) -> CacheStatus:
+        """The leader's changes to the caches go back to the storage root, whatever the end.
+
+        Asked of rank 0's node seeder itself, which outlives the job: a stopping job, with
+        little of Ray's stop grace left, does not wait for it.
+        """
+        from orchestrator.agents.cache_seeder import cache_seeder_name  # jobs with a cache only
+
         assert self.status.cache is not None
+        leader = self.status.nodes[0].node_id
         try:
-            result = ray.get(
-                self.agents[0].write_back_cache.remote(self.record.team, self.record.project),
-                timeout=timeout,
+            seeder = ray.get_actor(cache_seeder_name(leader), namespace=NAMESPACE)
+            pending = seeder.write_back.remote(
+                self.record.storage_root, self.record.team, self.record.project
             )
+            if not wait:
+                self.say("training cache: rank 0's changes are being written back")
+                return self.status.cache
+            result = ray.get(pending, timeout=WRITE_BACK_S)
         except Exception as e:
             error = _short_error(e)
             self.say(f"training cache not written back: {error}")
