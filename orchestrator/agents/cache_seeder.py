@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from orchestrator.agents.node_root import node_root
 from orchestrator.agents.services import shared_actor, this_node_id
+from orchestrator.home import orchestrator_home
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.training_cache import NO_TEAM, CacheStore, LocalCopy
 
@@ -30,7 +30,10 @@ def copies_dir() -> Path:
     shared = os.environ.get(SHARED_CACHE_DIR_ENV)
     if shared:
         return Path(shared)
-    return Path(os.environ.get(NODE_TRAINING_CACHE_DIR_ENV) or node_root() / "training-cache")
+    # Not in the node root (a temp dir by default): a cleaner emptying it would look like the
+    # job deleting those files, and the write-back would delete them for everyone.
+    home = orchestrator_home() / "training-cache"
+    return Path(os.environ.get(NODE_TRAINING_CACHE_DIR_ENV) or home)
 
 
 def holder_marker(team: str | None, project: str, node_id: str) -> str:

@@ -16,8 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from orchestrator.agents.node_root import node_root
 from orchestrator.agents.services import NAMESPACE, shared_actor, this_node_id
+from orchestrator.home import orchestrator_home
 from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.set_cache import SetCache
@@ -34,7 +34,10 @@ class NodeCache:
     """A threaded Ray actor pinned to its node; its state lives on disk (see SetCache)."""
 
     def __init__(self) -> None:
-        directory = Path(os.environ.get(NODE_CACHE_DIR_ENV) or node_root() / "weights-cache")
+        # Not in the node root (a temp dir by default): caches must outlive reboots and cleaners.
+        directory = Path(
+            os.environ.get(NODE_CACHE_DIR_ENV) or orchestrator_home() / "weights-cache"
+        )
         self.node = SetCache(directory, _budget(directory, NODE_CACHE_GIB_ENV))
         shared = os.environ.get(CLUSTER_CACHE_DIR_ENV)
         self.cluster = (
