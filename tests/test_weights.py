@@ -318,3 +318,40 @@ def test_a_mount_location_holding_files_is_refused_and_left_alone(tmp_path, stor
         job.details().failure.cause
     )
     assert (occupied / "mine.txt").read_text() == "the user's own file"
+
+
+WAITER = """
+import pathlib, sys, time
+mount, flag = pathlib.Path({mount!r}), pathlib.Path({flag!r})
+print("SEES", sorted(p.name for p in mount.iterdir()), flush=True)
+deadline = time.monotonic() + 90
+while not flag.exists() and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("STILL SEES", sorted(p.name for p in mount.iterdir()), flush=True)
+"""
+
+
+def test_jobs_sharing_a_mount_location_on_a_node(tmp_path, storage_root, bucket):
+    """A running job's mount is never repointed: a job wanting other contents there is refused,
+    one wanting the same contents shares it, and the link stays until its last user ends."""
+    mount, flag = tmp_path / "shared-mount", tmp_path / "release"
+    tiny = {"source": f"s3://{bucket}/models/tiny/config.json", "mount_location": str(mount)}
+    first = push(
+        make_job(tmp_path / "first", WEIGHTS_JOB.format(weights=[tiny]),
+                 {"show.py": WAITER.format(mount=str(mount), flag=str(flag))}),
+        storage_root=storage_root,
+    )  # fmt: skip
+    try:
+        eventually(lambda: any("] SEES " in line for line in first.logs()), "the first job")
+        other = [{**tiny, "source": f"s3://{bucket}/models/tiny/README.md"}]
+        refused = run(weights_job(tmp_path / "other", other), storage_root, JobState.DEPLOY_FAILED)
+        assert f"mount_location {mount} is in use on this node by another running job" in (
+            refused.details().failure.cause
+        )
+        same = run(weights_job(tmp_path / "same", [tiny]), storage_root)
+        assert files_seen(same) == {"config.json": '{"layers": 2}'}
+    finally:
+        flag.write_text("go")
+    assert first.wait(timeout=120) == JobState.COMPLETED
+    assert any(line.endswith("STILL SEES ['config.json']") for line in first.logs())
+    eventually(lambda: not mount.exists(), "the last user to remove the mount")

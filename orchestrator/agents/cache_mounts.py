@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.agents.mounts import place_link, remove_links
+from orchestrator.agents.mounts import Alive, Holder, MountError, place_link, remove_links
 
 PROJECT_LINK, TEAM_LINK, HF_LINK = "user_artifacts", "team_artifacts", "huggingface"
 
@@ -20,16 +20,27 @@ PROJECT_LINK, TEAM_LINK, HF_LINK = "user_artifacts", "team_artifacts", "huggingf
 @dataclass
 class CacheMounts:
     env: dict[str, str]
+    holder: Holder
+    alive: Alive
     links: list[tuple[Path, str]] = field(default_factory=list)  # link -> its target
 
     def remove(self) -> None:
-        remove_links(self.links)
+        remove_links(self.links, self.holder, self.alive)
 
 
 def mount_caches(
-    base: Path, project_dir: str, team_dir: str, legacy_hf: bool, explicit: bool
+    base: Path,
+    project_dir: str,
+    team_dir: str,
+    legacy_hf: bool,
+    explicit: bool,
+    holder: Holder,
+    alive: Alive,
 ) -> CacheMounts:
-    """Link the project and team copies under `base`; the job's cache variables."""
+    """Link the project and team copies under `base` for `holder`; the job's cache variables.
+
+    Two jobs on one node that set the same base share it only if they share the caches.
+    """
     targets = {PROJECT_LINK: project_dir, TEAM_LINK: team_dir}
     if legacy_hf:
         hf_dir = Path(project_dir) / HF_LINK
@@ -37,15 +48,21 @@ def mount_caches(
         targets[HF_LINK] = str(hf_dir)
     field_name = "cache_config.mount_base_path" if explicit else "the cache directory"
     mounts = CacheMounts(
+        holder=holder,
+        alive=alive,
         env={
             "BT_RW_CACHE_DIR": str(base),
             "BT_PROJECT_CACHE_DIR": str(base / PROJECT_LINK),
             "BT_TEAM_CACHE_DIR": str(base / TEAM_LINK),
-        }
+        },
     )
     if legacy_hf:
         mounts.env["HF_HOME"] = str(base / HF_LINK)
     for name, target in targets.items():
-        place_link(base / name, target, field_name)
+        try:
+            place_link(base / name, target, field_name, holder, alive)
+        except MountError:
+            mounts.remove()  # the links made so far
+            raise
         mounts.links.append((base / name, target))
     return mounts

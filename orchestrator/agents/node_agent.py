@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.agents.node_root import node_root
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
+from orchestrator.agents.services import actor_alive
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.root import StorageRoot
@@ -74,6 +75,7 @@ class NodeAgent:
         self._stopping = threading.Event()
         self._mounts: list[tuple[Path, str]] = []  # weight mounts: link -> the cache's directory
         self._cache_mounts: CacheMounts | None = None
+        self._holds_weights = False  # asked this node's cache for a set: release it at the end
 
     def node_info(self) -> dict[str, Any]:
         import ray
@@ -159,7 +161,13 @@ class NodeAgent:
         seeded = ray.get(cache_seeder_here().seed.remote(self.storage.url, team, project))
         base = Path(mount_base_path) if explicit_base else self.base / "cache"
         self._cache_mounts = mount_caches(
-            base, seeded["project"]["path"], seeded["team"]["path"], legacy_hf, explicit_base
+            base,
+            seeded["project"]["path"],
+            seeded["team"]["path"],
+            legacy_hf,
+            explicit_base,
+            (self.actor_name, self.job_id),
+            actor_alive,
         )
         return {**seeded, "env": self._cache_mounts.env}
 
@@ -171,11 +179,13 @@ class NodeAgent:
         from orchestrator.agents.node_cache import node_cache_here
 
         started = time.monotonic()
+        self._holds_weights = True
         delivered = ray.get(
             node_cache_here().deliver.remote(self.storage.url, weight_set, self.actor_name)
         )
         mount = Path(mount_location)
-        place_link(mount, delivered["path"], "mount_location")
+        holder = (self.actor_name, self.job_id)
+        place_link(mount, delivered["path"], "mount_location", holder, actor_alive)
         self._mounts.append((mount, delivered["path"]))
         # The whole of it as the job sees it: asking the cache, its copy if any, and the link.
         seconds = round(time.monotonic() - started, 4)
@@ -304,18 +314,18 @@ class NodeAgent:
 
     def _unmount_weights(self) -> None:
         """Remove this job's mount links (not a later job's) and let the cache evict its sets."""
-        if not self._mounts:
+        if not self._holds_weights:
             return
-        import ray
-
         from orchestrator.agents.mounts import remove_links
         from orchestrator.agents.node_cache import node_cache_here
 
-        remove_links(self._mounts)
-        if ray.is_initialized():
-            with contextlib.suppress(Exception):
-                ray.get(node_cache_here().release.remote(self.actor_name), timeout=30)
+        remove_links(self._mounts, (self.actor_name, self.job_id), actor_alive)
         self._mounts.clear()
+        # Not waited for: the agent is about to go, and a set it held is freed either way once
+        # the cache sees it gone.
+        with contextlib.suppress(Exception):
+            node_cache_here().release.remote(self.actor_name)
+        self._holds_weights = False
 
     def _tag(self, line: str) -> str:
         return f"[rank {self.rank} {time.strftime('%H:%M:%S')}] {line}"

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from orchestrator.agents.services import NAMESPACE, shared_actor, this_node_id
+from orchestrator.agents.services import actor_alive, shared_actor, this_node_id
 from orchestrator.home import orchestrator_home
 from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.root import StorageRoot
@@ -59,11 +59,13 @@ class NodeCache:
             if self.cluster is not None:
                 shared = self.cluster.get(ws.key, holder)
                 if shared is None:
-                    shared = self.cluster.put(ws.key, ws.total_bytes, fill, holder, _alive).path
+                    shared = self.cluster.put(
+                        ws.key, ws.total_bytes, fill, holder, actor_alive
+                    ).path
                 else:
                     tier = "cluster"
                 fill = _from_directory(shared, ws)
-            put = self.node.put(ws.key, ws.total_bytes, fill, holder, _alive)
+            put = self.node.put(ws.key, ws.total_bytes, fill, holder, actor_alive)
             if self.cluster is not None:
                 self.cluster.release(holder)
             result = _delivered(put.path, tier, ws.total_bytes, started)
@@ -83,17 +85,6 @@ def node_cache_here() -> Any:
     """This node's cache actor, started on first use; it outlives jobs, as its disk does."""
     name = f"orchestrator-node-cache-{this_node_id()[:16]}"
     return shared_actor(NodeCache, name, pinned_here=True, max_concurrency=16)
-
-
-def _alive(holder: str) -> bool:
-    """Whether the agent named `holder` still exists: a crashed job's sets are not held forever."""
-    import ray
-
-    try:
-        ray.get_actor(holder, namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return True
 
 
 def _delivered(path: Path, tier: str, copied: int, started: float) -> dict[str, Any]:

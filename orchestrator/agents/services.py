@@ -18,6 +18,17 @@ def this_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def actor_alive(name: str) -> bool:
+    """Whether the actor `name` (a job's node agent, say) still exists."""
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
 def shared_actor(
     cls: type, name: str, *, pinned_here: bool, max_concurrency: int, args: tuple = ()
 ) -> Any:
