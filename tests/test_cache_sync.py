@@ -155,3 +155,11 @@ def test_seeding_skips_an_object_replaced_under_it(tmp_path):
     write(a, "x", "v2")
     store.write_back(a)
     assert store.seed(fresh).files == 1 and files(fresh) == {"x": "v2", "y": "y1"}
+
+
+def test_holders_are_the_live_nodes_that_held_a_copy_newest_first(tmp_path):
+    store = CacheStore(StorageRoot(tmp_path / "root"), "t", "proj")
+    for node in ("gone", "old", "new"):
+        store.mark_holder(node)
+    assert store.holders({"old", "new"}) == ["new", "old"]
+    assert not store.root.exists(f"{store.base}/nodes/gone.json"), "a dead node's marker goes"

@@ -145,6 +145,17 @@ def test_store_secrets_of_a_team_reach_its_job_and_appear_nowhere(
         cause = other.details().failure.cause
         assert "secret 'leak_hf_token' is not set for team 'others'" in cause
         assert hf_token not in cause
+        # Without the weights, the node refuses it the env var's secret.
+        no_weights = "\n".join(
+            line for line in config.splitlines() if "WeightsSource" not in line
+            and "auth_secret_name" not in line
+        )  # fmt: skip
+        other = push(make_job(tmp_path / "other2", no_weights, {"check_token.py": check}),
+                     storage_root=storage_root)  # fmt: skip
+        assert other.wait(timeout=120) == JobState.DEPLOY_FAILED
+        cause = other.details().failure.cause
+        assert "secret 'leak_store_token' is not set for team 'others'" in cause
+        assert token not in cause
     finally:
         for name in ("leak_store_token", "leak_hf_token"):
             secrets_cli("delete", name, "--team", "leakers")

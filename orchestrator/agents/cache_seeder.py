@@ -36,11 +36,6 @@ def copies_dir() -> Path:
     return Path(os.environ.get(NODE_TRAINING_CACHE_DIR_ENV) or home)
 
 
-def holder_marker(team: str | None, project: str, node_id: str) -> str:
-    """Where a node notes that it holds a current copy (read for cache affinity)."""
-    return f"caches/{team or NO_TEAM}/projects/{project}/nodes/{node_id}.json"
-
-
 class CacheSeeder:
     """A threaded Ray actor pinned to its node; its state is on disk (LocalCopy)."""
 
@@ -84,18 +79,7 @@ class CacheSeeder:
     def _mark_holder(self, root: StorageRoot, team: str | None, project: str) -> None:
         if self.shared:
             return  # every node sees the shared copy: no node is preferred
-        root.write_json(holder_marker(team, project, this_node_id()), {"at": time.time()})
-
-
-def holders(root: StorageRoot, team: str | None, project: str) -> list[str]:
-    """Node ids that have held the project's cache, most recent first."""
-    prefix = f"caches/{team or NO_TEAM}/projects/{project}/nodes"
-    names = [n.removesuffix(".json") for n in root.list_names(prefix) if n.endswith(".json")]
-    stamped = []
-    for node_id in names:
-        with contextlib.suppress(Exception):
-            stamped.append((root.read_json(f"{prefix}/{node_id}.json")["at"], node_id))
-    return [node_id for _, node_id in sorted(stamped, reverse=True)]
+        CacheStore(root, team, project).mark_holder(this_node_id())
 
 
 def cache_seeder_here() -> Any:

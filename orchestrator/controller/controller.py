@@ -208,10 +208,8 @@ class JobController:
 
     def _reserve_near_cache(self, bundles: list[dict], strategy: str, name: str) -> bool:
         """require_cache_affinity: try the nodes that hold the project's cache first, briefly."""
-        selector = affinity_selector(self.record, len(bundles))
+        selector, self.cache_affinity = affinity_selector(self.record, len(bundles))
         if selector is None:
-            if cache_enabled(self.record):
-                self.cache_affinity = "no node holds the project's cache yet: placed anywhere"
             return False
         pg = placement_group(bundles, strategy=strategy, name=name, bundle_label_selector=selector)
         done, _ = ray.wait([pg.ready()], timeout=CACHE_AFFINITY_WAIT_S)

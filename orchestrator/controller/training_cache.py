@@ -15,6 +15,7 @@ from orchestrator.sizes import human_bytes
 from orchestrator.spec.training import DEFAULT_MOUNT_BASE_PATH
 from orchestrator.storage.records import CacheNode, CacheStatus, JobRecord
 from orchestrator.storage.root import StorageRoot
+from orchestrator.storage.training_cache import CacheStore
 
 NODE_ID_LABEL = "ray.io/node-id"
 
@@ -39,22 +40,27 @@ def cache_request(record: JobRecord) -> dict[str, Any] | None:
     }
 
 
-def affinity_selector(record: JobRecord, node_count: int) -> list[dict[str, str]] | None:
-    """Bundle label selectors that keep the job on nodes holding its cache, if enough are alive.
-
-    None when affinity is off, or fewer live nodes hold the cache than the job has ranks.
-    """
+def affinity_selector(
+    record: JobRecord, node_count: int
+) -> tuple[list[dict[str, str]] | None, str | None]:
+    """Bundle label selectors that keep the job on nodes holding its cache, or None and why
+    not (None for a job without a cache)."""
     cache = record.spec.job.runtime.cache_config
-    if cache is None or not cache.enabled or not cache.require_cache_affinity:
-        return None
-    from orchestrator.agents.cache_seeder import holders  # jobs with a cache only
-
+    if cache is None or not cache.enabled:
+        return None, None
+    if not cache.require_cache_affinity:
+        return None, "require_cache_affinity is off: placed anywhere"
     alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    held = [n for n in holders(StorageRoot(record.storage_root), record.team, record.project)
-            if n in alive]  # fmt: skip
+    store = CacheStore(StorageRoot(record.storage_root), record.team, record.project)
+    held = store.holders(alive)
+    if not held:
+        return None, "no live node holds the project's cache yet: placed anywhere"
     if len(held) < node_count:
-        return None
-    return [{NODE_ID_LABEL: f"in({','.join(held)})"}] * node_count
+        return None, (
+            f"{len(held)} live node(s) hold the project's cache, the job needs {node_count}: "
+            "placed anywhere"
+        )
+    return [{NODE_ID_LABEL: f"in({','.join(held)})"}] * node_count, None
 
 
 def seeding_status(infos: list[dict[str, Any]], affinity: str | None) -> CacheStatus:

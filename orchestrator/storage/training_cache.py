@@ -2,6 +2,7 @@
 
 caches/<team>/projects/<project>/manifest.json     CacheManifest: every file with its version
 caches/<team>/projects/<project>/objects/<version> one file's content at one version
+caches/<team>/projects/<project>/nodes/<node id>.json  nodes holding a copy (cache affinity)
 caches/<team>/team/manifest.json, objects/          the team cache ($BT_TEAM_CACHE_DIR)
 
 A node keeps a working copy (`data/`) and what it last synced (`sync.json`: each file's size,
@@ -168,6 +169,25 @@ class CacheStore:
             synced.pop(path, None)
         copy.save(synced)
         return SyncReport(len(changed), sum(present[p][0] for p in changed), len(removed))
+
+    def mark_holder(self, node_id: str) -> None:
+        """Note that `node_id` holds a current copy (read for cache affinity)."""
+        self.root.write_json(f"{self.base}/nodes/{node_id}.json", {"at": time.time()})
+
+    def holders(self, alive: set[str]) -> list[str]:
+        """The nodes in `alive` that have held a copy, most recent first. Markers of nodes no
+        longer alive are dropped (node ids do not come back)."""
+        stamped = []
+        for name in self.root.list_names(f"{self.base}/nodes"):
+            node_id = name.removesuffix(".json")
+            marker = self.root.path(f"{self.base}/nodes/{name}")
+            if node_id not in alive:
+                with contextlib.suppress(Exception):
+                    self.root.fs.rm_file(marker)
+                continue
+            with contextlib.suppress(Exception):
+                stamped.append((self.root.read_json(f"{self.base}/nodes/{name}")["at"], node_id))
+        return [node_id for _, node_id in sorted(stamped, reverse=True)]
 
     def _object(self, version: str) -> str:
         return f"{self.base}/objects/{version}"
