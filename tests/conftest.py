@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 import time
@@ -29,6 +30,10 @@ NODE_SECRETS = {
     HF_TOKEN_SECRET: HF_TOKEN,
     HF_WRONG_TOKEN_SECRET: "hf_tok_not_the_right_one",
     "s3_not_json": "AKIA-not-json",
+    # moto accepts any key: what it proves is that JSON credentials are read and used.
+    "s3_json_creds": json.dumps(
+        {"aws_access_key_id": "AKIAJSONKEY", "aws_secret_access_key": "sk-json-8e1f"}
+    ),
 }
 
 

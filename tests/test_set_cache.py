@@ -94,3 +94,25 @@ def test_two_caches_sharing_a_directory_keep_one_copy(tmp_path):
     assert (results[0].path / "f").read_bytes() == b"same"
     assert [p.name for p in (tmp_path / "c").iterdir() if p.name.endswith(".partial")] == []
     assert sorted(a.usage()["sets"]["k"]["holders"]) == ["j1", "j2"]
+
+
+def test_fills_running_at_once_reserve_their_room(tmp_path):
+    """While one set is being filled its bytes count: a second fill cannot count on them."""
+    cache = SetCache(tmp_path / "c", budget_bytes=100)
+    started, finish = threading.Event(), threading.Event()
+
+    def slow(dest: Path) -> None:
+        started.set()
+        assert finish.wait(timeout=10)
+        writer({"f": b"x" * 60})(dest)
+
+    first = threading.Thread(target=lambda: cache.put("a", 60, slow, holder="j1"))
+    first.start()
+    assert started.wait(timeout=10)
+    assert cache.get("a", holder="j2") is None, "a set being filled is not there yet"
+    put = cache.put("b", 60, writer({"f": b"y" * 60}), holder="j2")
+    assert put.over_budget and put.evicted == []
+    finish.set()
+    first.join(timeout=10)
+    assert cache.get("a", holder="j3") is not None
+    assert cache.usage()["used_bytes"] == 120

@@ -235,16 +235,18 @@ def test_patterns_that_select_nothing_and_a_missing_secret_fail_the_deploy(
 
 
 def test_s3_credentials_come_from_a_json_secret(tmp_path, storage_root, bucket):
-    """The secret's keys are used (moto accepts any key) and its values never reach the logs."""
-    weights = [
-        {
-            "source": f"s3://{bucket}/models/tiny/config.json",
-            "mount_location": str(tmp_path / "w"),
-            "auth_secret_name": "s3_not_json",
-        }
-    ]
-    job = run(weights_job(tmp_path / "job", weights), storage_root, JobState.DEPLOY_FAILED)
+    """JSON credentials are read and used; a secret that is not JSON is refused, unquoted."""
+    source = {"source": f"s3://{bucket}/models/tiny/config.json",
+              "mount_location": str(tmp_path / "w")}  # fmt: skip
+    ok = [{**source, "auth_secret_name": "s3_json_creds"}]
+    job = run(weights_job(tmp_path / "ok", ok), storage_root)
+    assert files_seen(job) == {"config.json": '{"layers": 2}'}
+    assert all("sk-json-8e1f" not in line for line in job.logs())
+
+    bad = [{**source, "auth_secret_name": "s3_not_json"}]
+    job = run(weights_job(tmp_path / "bad", bad), storage_root, JobState.DEPLOY_FAILED)
     assert "the source's secret is not JSON" in job.details().failure.cause
+    assert "AKIA-not-json" not in job.details().failure.cause
 
 
 def test_an_https_file_is_delivered(tmp_path, storage_root, https_files):

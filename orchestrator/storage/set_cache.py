@@ -1,8 +1,9 @@
 """Complete weight sets on a local (or shared) disk under a byte budget, least recently used out.
 
 <dir>/<key>/files/...   one set, read-only once complete
-<dir>/index.json        {key: {bytes, last_used, holders}}: what is here, when it was last
-                        asked for, and who is using it now (a set in use is never evicted)
+<dir>/index.json        {key: {bytes, last_used, holders, pending}}: what is here (or being
+                        filled), when it was last asked for, and who is using it now (a set in
+                        use is never evicted)
 <dir>/.lock             taken (flock) around every index change
 
 Several processes may share a directory (simulated nodes on one machine, a restarted node cache
@@ -48,8 +49,10 @@ class SetCache:
         """The set's files if it is here (marking it used, and in use by `holder`)."""
         with self._index() as index:
             entry = index.get(key)
-            if entry is None or not self.files(key).is_dir():
-                index.pop(key, None)
+            if entry is None or entry.get("pending"):
+                return None
+            if not self.files(key).is_dir():
+                del index[key]
                 return None
             entry["last_used"] = time.time()
             if holder not in entry["holders"]:
@@ -66,22 +69,36 @@ class SetCache:
     ) -> Put:
         """Make room for `size` bytes, let `fill` write the set into a fresh directory, add it.
 
-        Holders for which `alive` is false no longer protect their sets.
+        The room is reserved (a pending entry) while `fill` runs, so fills running at once do
+        not all count on the same free space. Holders for which `alive` is false no longer
+        protect their sets (nor a crashed fill its reservation).
         """
         with self._index() as index:
             evicted, over = self._make_room(index, size, alive)
+            reserved = key not in index
+            if reserved:
+                index[key] = {"bytes": size, "last_used": time.time(), "holders": [holder],
+                              "pending": True}  # fmt: skip
         staging = self.directory / f".{key}.{uuid.uuid4().hex[:8]}.partial"
         try:
             fill(staging / "files")
             _read_only(staging / "files")
             with self._index() as index:
-                if self.files(key).is_dir() and key in index:  # another process filled it
-                    _remove(staging)
+                entry = index.get(key)
+                if entry is not None and not entry.get("pending") and self.files(key).is_dir():
+                    _remove(staging)  # another process filled it meanwhile
                 else:
                     _remove(self.directory / key)
                     os.replace(staging, self.directory / key)
-                    index[key] = {"bytes": size, "last_used": time.time(), "holders": []}
-                index[key]["holders"].append(holder)
+                    entry = index[key] = {"bytes": size, "holders": []}
+                entry["last_used"] = time.time()
+                if holder not in entry["holders"]:
+                    entry["holders"].append(holder)
+        except BaseException:
+            with self._index() as index:
+                if reserved and index.get(key, {}).get("pending"):
+                    del index[key]
+            raise
         finally:
             if staging.exists():
                 _remove(staging)
