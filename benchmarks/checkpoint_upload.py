@@ -39,6 +39,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from common import serve_moto
+
 PROJECT, JOB_ID, RANK = "bench-ckpt", "job-bench", 0
 BUCKET = "bench"
 WARMUP_STEPS = 3
@@ -52,22 +54,6 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def serve_moto(conn: Connection) -> None:
-    """Run moto in this process until told to stop; answer 'cpu' and 'peak_rss' on the way."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    conn.send(server.get_host_and_port()[1])
-    while (msg := conn.recv()) != "stop":
-        conn.send(_cpu_s() if msg == "cpu" else _peak_rss_mb())
-    server.stop()
-    conn.send("stopped")
 
 
 def run_uploader(conn: Connection, storage_root: str, local_dir: str, settings: dict) -> None:
@@ -134,10 +120,6 @@ def keep_freed_memory() -> bool:
 
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # --- the training loop -----------------------------------------------------------------------

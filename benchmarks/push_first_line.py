@@ -29,13 +29,14 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common import code_state
 
 from orchestrator.client.api import push
 from orchestrator.cluster.local import LocalCluster, LocalClusterInfo, embedded_env
@@ -299,22 +300,6 @@ def print_runs(samples: list[Sample]) -> None:
             f"  {s.path:<18} {s.returned - s.submitted:6.3f} {s.printed - s.submitted:6.3f} "
             f"{s.latency:6.3f}"
         )
-
-
-def code_state() -> str:
-    """The commit measured, and whether the working tree differs from it."""
-    repo = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=repo, capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    try:
-        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return commit + (" + uncommitted changes" if dirty else "")
 
 
 # --- main ---------------------------------------------------------------------------------

@@ -38,20 +38,19 @@ import argparse
 import multiprocessing as mp
 import os
 import re
-import resource
 import shutil
 import stat
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from common import code_state, serve_moto
 
 MB = 2**20
 GB = 2**30
@@ -87,23 +86,6 @@ CHECKED_RE = re.compile(r"already mirrored at revision .* checked in ([\d.]+) s"
 
 
 # --- moto, in its own process ----------------------------------------------------------------
-
-
-def serve_moto(conn: Connection) -> None:
-    """Run moto in this process until told to stop; answer 'peak_rss' (MB) and 'cpu' (s)."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    conn.send(server.get_host_and_port()[1])
-    while (msg := conn.recv()) != "stop":
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        conn.send(usage.ru_maxrss / 1024 if msg == "peak_rss" else usage.ru_utime + usage.ru_stime)
-    server.stop()
-    conn.send("stopped")
 
 
 class Moto:
@@ -440,21 +422,6 @@ def report_hits(runs: list[SizeRun]) -> dict[str, Any]:
 
 
 # --- main ------------------------------------------------------------------------------------
-
-
-def code_state() -> str:
-    repo = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=repo, capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    try:
-        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return commit + (" + uncommitted changes" if dirty else "")
 
 
 def remove_tree(path: Path) -> None:

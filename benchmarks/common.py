@@ -1,0 +1,43 @@
+"""What the benchmarks share: which code they measured, and a moto S3 server of its own."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+
+def code_state() -> str:
+    """The commit measured, and whether the working tree differs from it."""
+    repo = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return commit + (" + uncommitted changes" if dirty else "")
+
+
+def serve_moto(conn: Connection) -> None:
+    """Run moto on loopback in this process (it must not share the measured code's GIL) until
+    told to stop; send its port, then answer 'cpu' (seconds used) and 'peak_rss' (MB)."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    conn.send(server.get_host_and_port()[1])
+    while (msg := conn.recv()) != "stop":
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = usage.ru_utime + usage.ru_stime
+        conn.send(usage.ru_maxrss / 1024 if msg == "peak_rss" else cpu)
+    server.stop()
+    conn.send("stopped")
