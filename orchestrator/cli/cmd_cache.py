@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import enum
 from typing import Annotated
 
@@ -10,7 +9,7 @@ import typer
 from rich.table import Table
 
 from orchestrator.cli.options import SortOrder, StorageRootOption
-from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json
+from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json, when
 from orchestrator.client.cache import cache_summary, delete_cache, project_team
 
 cache_app = typer.Typer(help="Inspect and empty a project's training cache.", no_args_is_help=True)
@@ -52,7 +51,7 @@ def summarize(
                 "team": team,
                 "total_bytes": sum(e.size_bytes for e in entries),
                 "files": [
-                    {"path": e.path, "size_bytes": e.size_bytes, "modified": _when(e.modified)}
+                    {"path": e.path, "size_bytes": e.size_bytes, "modified": when(e.modified)}
                     for e in entries
                 ],
             }
@@ -67,7 +66,7 @@ def summarize(
     table.add_column("size", justify="right")
     table.add_column("modified")
     for e in entries:
-        table.add_row(e.path, human_bytes(e.size_bytes), _when(e.modified))
+        table.add_row(e.path, human_bytes(e.size_bytes), when(e.modified))
     console.print(table)
     total = sum(e.size_bytes for e in entries)
     console.print(f"{len(entries)} file(s), {human_bytes(total)}")
@@ -87,7 +86,3 @@ def delete(
         typer.confirm(f"Empty the training cache of {scope}?", abort=True)
     files, size = delete_cache(project, team, storage_root=storage_root)
     console.print(f"emptied the training cache of {scope}: {files} file(s), {human_bytes(size)}")
-
-
-def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")

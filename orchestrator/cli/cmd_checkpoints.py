@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import enum
 import re
 import shutil
@@ -23,7 +22,7 @@ from rich.table import Table
 
 from orchestrator.cli.jobs_common import pick_job
 from orchestrator.cli.options import JobId, SortOrder, StorageRootOption
-from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json
+from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json, when
 from orchestrator.client.api import latest_job, list_jobs
 from orchestrator.client.connection import storage
 from orchestrator.client.jobs import JobHandle
@@ -81,7 +80,7 @@ def list_checkpoints(
         table.add_column(column, justify="right" if column in ("rank", "size", "files") else "left")
     for m in found:
         table.add_row(m.name, m.job_id, str(m.node_rank), _type(m), human_bytes(m.size_bytes),
-                      str(len(m.files)), _when(m.created_at))  # fmt: skip
+                      str(len(m.files)), when(m.created_at))  # fmt: skip
     console.print(table)
 
 
@@ -213,10 +212,6 @@ def _type(m: Manifest) -> str:
     if m.checkpoint_type == "lora":
         return f"lora (r={m.lora_rank})" if m.lora_rank is not None else "lora"
     return m.checkpoint_type
-
-
-def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _row(m: Manifest) -> dict:

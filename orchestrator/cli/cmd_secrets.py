@@ -6,7 +6,6 @@ and never printed.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.cli.render import OutputFormat, console, print_json
+from orchestrator.cli.render import OutputFormat, console, print_json, when
 from orchestrator.errors import OrchestratorError
 from orchestrator.storage.secret_store import (
     SECRETS_DIR_ENV,
@@ -25,6 +24,7 @@ from orchestrator.storage.secret_store import (
     SecretInfo,
     check_name,
     check_team,
+    scope_label,
 )
 
 secrets_app = typer.Typer(
@@ -70,7 +70,7 @@ def set_secret(
     store = FileSecretStore(secrets_dir)
     _warn_if_remote_cluster()
     store.set(name, _read_value(name), team)
-    console.print(f"secret {name} set ({_scope(team)}) in {store.directory}")
+    console.print(f"secret {name} set ({scope_label(team)}) in {store.directory}")
 
 
 @secrets_app.command("list")
@@ -111,7 +111,7 @@ def list_secrets(
     table.add_column("scope", no_wrap=True)
     table.add_column("modified", no_wrap=True)
     for s in found:
-        table.add_row(s.name, s.scope, _when(s.modified_at))
+        table.add_row(s.name, s.scope, when(s.modified_at))
     console.print(table)
 
 
@@ -122,9 +122,10 @@ def delete_secret(name: Name, team: Team = None, secrets_dir: SecretsDir = None)
     if not store.delete(name, team):
         hint = f"orchestrator secrets list{f' --team {team}' if team else ''}"
         raise OrchestratorError(
-            f"no secret {name} ({_scope(team)}) in {store.directory}: `{hint}` shows what is there"
+            f"no secret {name} ({scope_label(team)}) in {store.directory}: "
+            f"`{hint}` shows what is there"
         )
-    console.print(f"secret {name} deleted ({_scope(team)})")
+    console.print(f"secret {name} deleted ({scope_label(team)})")
     if team and any(s.name == name for s in store.names(None)):
         console.print(f"jobs of team {team} now read the cluster-wide {name}")
 
@@ -152,14 +153,6 @@ def _warn_if_remote_cluster() -> None:
             f"at {address} read the store on its head node: run this command there",
             markup=True,
         )
-
-
-def _scope(team: str | None) -> str:
-    return f"team {team}" if team else "cluster-wide"
-
-
-def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _row(s: SecretInfo) -> dict:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from orchestrator.cli.options import JobId, Project, StorageRootOption
-from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json
+from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json, when
 from orchestrator.client.api import get_job, list_jobs
 from orchestrator.client.jobs import JobHandle
 
@@ -42,10 +41,6 @@ def view(
     console.print(table)
 
 
-def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
-
-
 def _job_row(job: JobHandle) -> dict:
     r = job.record
     return {
@@ -54,7 +49,7 @@ def _job_row(job: JobHandle) -> dict:
         "name": r.job_name,
         "status": job.status().value,
         "nodes": r.spec.job.compute.node_count,
-        "created": _when(r.created_at),
+        "created": when(r.created_at),
     }
 
 
@@ -95,7 +90,7 @@ def _print_detail(job: JobHandle) -> None:
                 "storage_root"):  # fmt: skip
         table.add_row(key, str(d[key] if d[key] is not None else "-"))
     for event in d["history"]:
-        table.add_row("", f"{_when(event['at'])}  {event['state']}  {event['reason'] or ''}")
+        table.add_row("", f"{when(event['at'])}  {event['state']}  {event['reason'] or ''}")
     for node in d["nodes_detail"]:
         table.add_row(f"rank {node['rank']}", f"{node['ip']} ({node['hostname']})")
     for i, w in enumerate(d["weights"]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import json
 from typing import Any
@@ -17,6 +18,11 @@ console = Console(highlight=False)
 class OutputFormat(str, enum.Enum):
     text = "text"
     json = "json"
+
+
+def when(ts: float) -> str:
+    """A timestamp as local date and time, the way every verb prints one."""
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def print_json(data: Any) -> None:

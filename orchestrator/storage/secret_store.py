@@ -48,7 +48,12 @@ class SecretInfo:
 
     @property
     def scope(self) -> str:
-        return f"team {self.team}" if self.team else "cluster-wide"
+        return scope_label(self.team)
+
+
+def scope_label(team: str | None) -> str:
+    """How a scope is named to a user: "team research" or "cluster-wide"."""
+    return f"team {team}" if team else "cluster-wide"
 
 
 class SecretSource(Protocol):
