@@ -197,6 +197,15 @@ class HubStandIn(_LoopbackServer):
         super().__init__()
         self._repos: dict[tuple[str, str], _Repo] = {}
         self._downloads: Counter[tuple[str, str]] = Counter()
+        self._released = threading.Event()
+        self._released.set()
+
+    def hold_downloads(self) -> None:
+        """File contents wait (up to 60 s) until `release_downloads`; metadata still answers."""
+        self._released.clear()
+
+    def release_downloads(self) -> None:
+        self._released.set()
 
     def add_repo(
         self,
@@ -308,6 +317,7 @@ class HubStandIn(_LoopbackServer):
         etag = meta["lfs"]["sha256"] if "lfs" in meta else meta["blobId"]
         headers = {"X-Repo-Commit": commit.sha, "ETag": f'"{etag}"'}
         if h.command == "GET":
+            self._released.wait(timeout=60)
             with self._lock:
                 self._downloads[repo.repo_type, repo.repo_id] += 1
         _send(h, 200, data, {**headers, "Content-Type": "application/octet-stream"}, ranges=True)

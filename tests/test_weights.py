@@ -160,16 +160,25 @@ def test_hub_repo_is_mirrored_at_its_commit_and_a_node_hit_downloads_nothing(
 
 
 def test_two_concurrent_jobs_mirror_once(tmp_path, storage_root, hub):
+    """The second job asks while the first one's copy is held mid-way: it waits for that copy."""
     repo = f"acme/shared-{uuid.uuid4().hex[:6]}"
     hub.add_repo(repo, {f"shard-{i}.bin": bytes([65 + i]) * 200_000 for i in range(4)})
     weights = [{"source": f"hf://{repo}", "mount_location": str(tmp_path / "shared")}]
-    jobs = [push(weights_job(tmp_path / n, weights), storage_root=storage_root) for n in "ab"]
-    assert [j.wait(timeout=120) for j in jobs] == [JobState.COMPLETED] * 2
-    assert hub.downloads(repo) == 4, "each file is read from the source once"
-    assert sorted(j.details().weights[0].mirror for j in jobs) in (
-        ["miss", "shared"],
-        ["hit", "miss"],  # the second asked only after the first had committed
+    revision_asked = lambda: sum(  # noqa: E731
+        1 for method, path in hub.requests if method == "GET" and f"{repo}/revision/" in path
     )
+    hub.hold_downloads()
+    try:
+        first = push(weights_job(tmp_path / "a", weights), storage_root=storage_root)
+        eventually(lambda: any(f"/{repo}/resolve/" in p for _, p in hub.requests), "a download")
+        second = push(weights_job(tmp_path / "b", weights), storage_root=storage_root)
+        eventually(lambda: revision_asked() == 2, "the second job's freshness check")
+    finally:
+        hub.release_downloads()
+    assert [j.wait(timeout=120) for j in (first, second)] == [JobState.COMPLETED] * 2
+    assert hub.downloads(repo) == 4, "each file is read from the source once"
+    assert [j.details().weights[0].mirror for j in (first, second)] == ["miss", "shared"]
+    assert files_seen(second) == files_seen(first) and len(files_seen(second)) == 4
 
 
 def test_a_private_repo_is_read_with_the_token_from_a_secret(tmp_path, storage_root, hub):
