@@ -61,6 +61,11 @@ sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
 LAST_LINES = 50
 
 
+def agent_name(job_id: str, rank: int) -> str:
+    """The actor name of a job's agent: also what marks the weights and links it holds."""
+    return f"orchestrator-{job_id}-rank-{rank}"
+
+
 class NodeAgent:
     """A Ray actor (threaded, so `stop` can run while `run_commands` streams)."""
 
@@ -70,7 +75,7 @@ class NodeAgent:
         self.base = node_root() / "jobs" / job_id / f"rank-{rank}"
         self.working_dir = self.base / "workspace"
         self.scratch_dir = self.base / "scratch"
-        self.actor_name = f"orchestrator-{job_id}-rank-{rank}"  # as the controller names it
+        self.actor_name = agent_name(job_id, rank)
         self._process: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._mounts: list[tuple[Path, str]] = []  # weight mounts: link -> the cache's directory

@@ -77,9 +77,6 @@ class NodeCache:
         if self.cluster is not None:
             self.cluster.release(holder)
 
-    def usage(self) -> dict[str, Any]:
-        return self.node.usage()
-
 
 def node_cache_here() -> Any:
     """This node's cache actor, started on first use; it outlives jobs, as its disk does."""

@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.agents.node_agent import NodeAgent
+from orchestrator.agents.node_agent import NodeAgent, agent_name
 from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.agents.secret_service import start_secret_service
 from orchestrator.agents.services import NAMESPACE
@@ -245,7 +245,7 @@ class JobController:
         for rank in range(compute.node_count):
             self.agents.append(
                 agent_cls.options(
-                    name=f"orchestrator-{self.record.job_id}-rank-{rank}",
+                    name=agent_name(self.record.job_id, rank),
                     namespace=NAMESPACE,
                     max_concurrency=4,
                     num_cpus=bundle["CPU"],
