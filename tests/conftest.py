@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -118,6 +119,12 @@ def ray_cluster(
 def gcs_server() -> Iterator[FakeGCSServer]:
     server = FakeGCSServer(host="127.0.0.1")
     server.start()
+    # The wrapper pipes the server's stderr and never reads it. The server logs every request
+    # there, so once the pipe's 64 KiB are full its next log line blocks and it stops answering
+    # (a session's few hundredth request, seen as GCS tests timing out). Drain it.
+    assert server._process is not None and server._process.stderr is not None
+    stderr = server._process.stderr
+    threading.Thread(target=lambda: all(iter(lambda: stderr.read(65536), b"")), daemon=True).start()
     try:
         yield server
     finally:
