@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 
 _CLIENT_API = ("push", "get_job", "list_jobs", "list_projects")
 _ERRORS = ("ConfigError", "OrchestratorError", "UnsupportedFeatureError", "WorkspaceError")
+# For training scripts on the nodes: light, no Ray, no spec.
+_NODE_HELPERS = ("mark_checkpoint_complete",)
 
 
 def __getattr__(name: str) -> Any:
@@ -25,6 +27,8 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("orchestrator.client.api"), name)
     if name in _ERRORS:
         return getattr(importlib.import_module("orchestrator.errors"), name)
+    if name in _NODE_HELPERS:
+        return getattr(importlib.import_module("orchestrator.storage.local_checkpoint"), name)
     definitions = importlib.import_module("orchestrator.definitions")
     if name in definitions.__all__:
         return getattr(definitions, name)
@@ -38,4 +42,4 @@ def __dir__() -> list[str]:
 def _public_names() -> list[str]:
     from orchestrator.definitions import __all__ as spec_names
 
-    return [*_CLIENT_API, *_ERRORS, "definitions", *spec_names]
+    return [*_CLIENT_API, *_ERRORS, *_NODE_HELPERS, "definitions", *spec_names]

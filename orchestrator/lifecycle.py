@@ -20,6 +20,10 @@ class JobState(str, enum.Enum):
         return self in TERMINAL_STATES
 
 
+# A job whose commands all exited 0 but whose checkpoints were not all stored ends COMPLETED
+# with this exit code (the controller's, and `orchestrator push --tail`'s): not a plain success.
+CHECKPOINTS_NOT_STORED_EXIT = 3
+
 TERMINAL_STATES = frozenset(
     {JobState.COMPLETED, JobState.FAILED, JobState.DEPLOY_FAILED, JobState.STOPPED}
 )

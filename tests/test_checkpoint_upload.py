@@ -1,21 +1,25 @@
 """Checkpoint upload and download on local, S3 (moto) and GCS (fake-gcs-server) roots; no Ray.
 
 The uploader is used directly here; on a cluster it is a Ray actor in each rank's bundle.
+tests/test_checkpoint_writers.py runs the same rules through jobs, writer by writer.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from orchestrator.agents.checkpoint_rules import earlier_checkpoints
 from orchestrator.agents.checkpoint_uploader import CheckpointUploader
 from orchestrator.storage.checkpoints import CheckpointStore, UploadSettings
 from orchestrator.storage.root import StorageRoot
@@ -35,7 +39,29 @@ def wait_until(predicate, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+        time.sleep(0.05)
+
+
+def uploader(root: StorageRoot, local: Path, rank: int = 0, earlier=None, **settings):
+    """Watching when returned, as the controller has it before the commands start."""
+    local.mkdir(parents=True, exist_ok=True)
+    up = CheckpointUploader(
+        "p", "j", rank, root.url, str(local), settings, None, earlier if earlier else {}
+    )
+    assert up.ready(10)
+    return up
+
+
+def states(result: dict) -> dict[str, str]:
+    return {e.name: e.state for e in result["entries"]}
+
+
+def reasons(result: dict) -> dict[str, str | None]:
+    return {e.name: e.reason for e in result["entries"]}
+
+
+def names(root: StorageRoot) -> list[str]:
+    return [m.name for m in CheckpointStore(root).list("p", "j")]
 
 
 def test_upload_commits_a_manifest_and_download_checks_it(root: StorageRoot, tmp_path):
@@ -47,7 +73,7 @@ def test_upload_commits_a_manifest_and_download_checks_it(root: StorageRoot, tmp
     manifest = store.upload(local, "proj", "job1", 0, UploadSettings(concurrency=2))
     assert [f.path for f in manifest.files] == ["model.safetensors", "sub/optimizer.pt"]
     assert manifest.size_bytes == 3 * 1024 * 1024 + 7 + 3
-    assert manifest.checkpoint_type == "full"
+    assert (manifest.checkpoint_type, manifest.version, manifest.complete) == ("full", 1, True)
     (listed,) = store.list("proj", "job1")
     assert listed.name == "checkpoint-100" and listed.node_rank == 0
     got = store.download(listed, tmp_path / "down")
@@ -67,53 +93,81 @@ def test_a_lora_adapter_is_recognised_with_its_rank(root: StorageRoot, tmp_path)
 def test_a_corrupted_file_is_refused_on_download(tmp_path):
     root = StorageRoot(tmp_path / "root")
     store = CheckpointStore(root)
-    store.upload(write_checkpoint(tmp_path / "c1", {"w.bin": b"good"}), "p", "j", 0)
-    root.write_bytes("checkpoints/p/j/rank-0/c1/w.bin", b"evil")
+    manifest = store.upload(write_checkpoint(tmp_path / "c1", {"w.bin": b"good"}), "p", "j", 0)
+    root.write_bytes(f"{manifest.files_dir}/w.bin", b"evil")
     with pytest.raises(OSError, match="does not match its manifest checksum"):
         store.download(store.list("p", "j")[0], tmp_path / "down")
 
 
 def test_uploader_uploads_settled_checkpoints_while_the_job_runs(root: StorageRoot, tmp_path):
     local = tmp_path / "ckpts"
-    local.mkdir()
-    uploader = CheckpointUploader(
-        "proj", "job1", 0, root.url, str(local), {"settle_s": 0.5}, volume_size_gib=None
-    )
-    store = CheckpointStore(root)
+    up = uploader(root, local, settle_s=0.5)
     write_checkpoint(local / "checkpoint-1", {"w.bin": b"one"})
     (local / ".checkpoint-2.partial").mkdir()  # hidden: being written, never uploaded
-    wait_until(lambda: [m.name for m in store.list("proj", "job1")] == ["checkpoint-1"],
-               "checkpoint-1 to be uploaded while the job runs")  # fmt: skip
+    wait_until(lambda: names(root) == ["checkpoint-1"], "checkpoint-1 while the job runs")
     write_checkpoint(local / "checkpoint-2", {"w.bin": b"two"})
-    result = uploader.flush(timeout=60)
-    assert result["uploaded"] == ["checkpoint-1", "checkpoint-2"] and result["pending"] == []
-    assert [m.name for m in store.list("proj", "job1")] == ["checkpoint-1", "checkpoint-2"]
-    assert any("checkpoint checkpoint-1 uploaded: 1 files" in e for e in result["events"])
+    result = up.flush(timeout=60, clean=True)
+    assert states(result) == {"checkpoint-1": "uploaded", "checkpoint-2": "uploaded"}
+    assert names(root) == ["checkpoint-1", "checkpoint-2"]
+    assert any("checkpoint checkpoint-1 uploaded" in e and "1 files" in e for e in result["events"])
 
 
-def test_flush_uploads_what_had_not_settled(tmp_path):
+def test_flush_uploads_what_had_not_settled_once_its_writer_exited_cleanly(tmp_path):
     root = StorageRoot(tmp_path / "root")
     local = tmp_path / "ckpts"
-    local.mkdir()
-    uploader = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 3600})
-    write_checkpoint(local / "checkpoint-9", {"w.bin": b"nine"})
-    time.sleep(1.2)  # two scans: it is seen, but far from settled
-    assert CheckpointStore(root).list("p", "j") == []
-    assert uploader.flush(timeout=30)["uploaded"] == ["checkpoint-9"]
-    assert [m.name for m in CheckpointStore(root).list("p", "j")] == ["checkpoint-9"]
+    up = uploader(root, local, settle_s=3600)
+    (local / "checkpoint-9").mkdir()
+    (local / "checkpoint-9" / "w.bin").write_bytes(b"nine")  # in place: only settling says done
+    time.sleep(0.5)  # several scans: it is seen, but far from settled
+    assert names(root) == []
+    assert states(up.flush(timeout=30, clean=True)) == {"checkpoint-9": "uploaded"}
+    (manifest,) = CheckpointStore(root).list("p", "j")
+    assert manifest.complete
+
+
+def test_a_checkpoint_cut_off_by_its_writers_death_is_stored_as_incomplete(root, tmp_path):
+    local = tmp_path / "ckpts"
+    up = uploader(root, local, settle_s=3600)
+    write_checkpoint(local / "checkpoint-1", {"w.bin": b"whole"})
+    wait_until(lambda: names(root) == ["checkpoint-1"], "the renamed checkpoint")
+    (local / "checkpoint-2").mkdir()
+    (local / "checkpoint-2" / "model.bin").write_bytes(b"1 of 2 files")
+    time.sleep(0.3)
+    result = up.flush(timeout=30, clean=False, how="rank 0's command exited with code 137")
+    assert states(result) == {"checkpoint-1": "uploaded", "checkpoint-2": "incomplete"}
+    why = reasons(result)["checkpoint-2"]
+    assert why.startswith("rank 0's command exited with code 137")
+    assert "before it was complete" in why
+    by_name = {m.name: m for m in CheckpointStore(root).list("p", "j")}
+    assert by_name["checkpoint-1"].complete and not by_name["checkpoint-2"].complete
+    assert by_name["checkpoint-2"].incomplete_reason == why
+
+
+def test_a_settle_judged_after_the_writer_died_is_taken_back(tmp_path):
+    """The uploader hears of a rank's end a moment late; what settled only in that moment had
+    not been quiet for settle_s while its writer lived."""
+    root = StorageRoot(tmp_path / "root")
+    local = tmp_path / "ckpts"
+    up = uploader(root, local, settle_s=0.5)
+    (local / "checkpoint-3").mkdir()
+    (local / "checkpoint-3" / "w.bin").write_bytes(b"cut short")
+    written = time.time()
+    wait_until(lambda: names(root) == ["checkpoint-3"], "the settled upload")
+    up.writer_ended(False, "rank 0's command exited with code 137", at=written + 0.1)
+    wait_until(lambda: not CheckpointStore(root).list("p", "j")[0].complete, "the take-back")
+    result = up.flush(timeout=30, clean=False)
+    assert states(result) == {"checkpoint-3": "incomplete"}
+    assert any("checkpoint-3 marked INCOMPLETE" in e for e in result["events"])
 
 
 def test_delete_local_after_upload(tmp_path):
     root = StorageRoot(tmp_path / "root")
     local = tmp_path / "ckpts"
-    local.mkdir()
-    uploader = CheckpointUploader(
-        "p", "j", 0, root.url, str(local), {"settle_s": 0, "delete_local": True}
-    )
+    up = uploader(root, local, settle_s=0, delete_local=True)
     write_checkpoint(local / "checkpoint-1", {"w.bin": b"x"})
     wait_until(lambda: not (local / "checkpoint-1").exists(), "the local copy to be deleted")
-    assert [m.name for m in CheckpointStore(root).list("p", "j")] == ["checkpoint-1"]
-    uploader.flush(timeout=10)
+    assert names(root) == ["checkpoint-1"]
+    assert states(up.flush(timeout=10, clean=True)) == {"checkpoint-1": "uploaded"}
 
 
 def test_volume_size_warns_then_reports_over(tmp_path):
@@ -124,14 +178,14 @@ def test_volume_size_warns_then_reports_over(tmp_path):
     # A sparse file counts its full size, as the volume would.
     with open(local / "big.bin", "wb") as f:
         f.truncate(int(0.95 * gib))
-    uploader = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 3600}, 1)
-    wait_until(lambda: any("warning" in e for e in uploader.poll(0)["events"]), "the warning")
-    assert uploader.poll(0)["over_volume"] is None
+    up = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 3600}, 1, {})
+    wait_until(lambda: any("warning" in e for e in up.poll(0)["events"]), "the warning")
+    assert up.poll(0)["over_volume"] is None
     with open(local / "big2.bin", "wb") as f:
         f.truncate(int(0.1 * gib))
-    wait_until(lambda: uploader.poll(0)["over_volume"], "the over-volume error")
-    assert "over volume_size_gib=1" in uploader.poll(0)["over_volume"]
-    uploader._stop.set()
+    wait_until(lambda: up.poll(0)["over_volume"], "the over-volume error")
+    assert "over volume_size_gib=1" in up.poll(0)["over_volume"]
+    up._stop.set()
 
 
 KILLED_UPLOADER = """
@@ -158,21 +212,21 @@ def test_a_killed_upload_shows_nothing_and_a_restarted_uploader_completes_it(roo
         [sys.executable, str(script), root.url, str(local / "checkpoint-5")],
         stdout=subprocess.PIPE, text=True, env={**os.environ},
     )  # fmt: skip
+    files = "checkpoints/p/j/rank-0/checkpoint-5/v1"
     try:
         assert worker.stdout.readline().strip() == "uploading"
-        wait_until(lambda: root.list_names("checkpoints/p/j/rank-0/checkpoint-5"), "some files")
+        wait_until(lambda: root.list_names(files), "some files")
         os.kill(worker.pid, signal.SIGKILL)  # 8 MB at 2 MB/s: killed mid-upload
         worker.wait()
     finally:
         if worker.poll() is None:
             worker.kill()
     store = CheckpointStore(root)
-    assert root.list_names("checkpoints/p/j/rank-0/checkpoint-5"), "partial files are there"
+    assert root.list_names(files), "partial files are there"
     assert store.list("p", "j") == [], "but no reader may see a half checkpoint"
 
-    restarted = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 0})
-    result = restarted.flush(timeout=60)
-    assert result["uploaded"] == ["checkpoint-5"]
+    restarted = uploader(root, local, settle_s=0)
+    assert states(restarted.flush(timeout=60, clean=True)) == {"checkpoint-5": "uploaded"}
     (manifest,) = store.list("p", "j")
     assert len(manifest.files) == 8
     got = store.download(manifest, tmp_path / "down")
@@ -181,46 +235,182 @@ def test_a_killed_upload_shows_nothing_and_a_restarted_uploader_completes_it(roo
     ).read_bytes()
 
 
+def test_a_restarted_uploader_skips_what_is_stored_and_redoes_what_changed(tmp_path):
+    root = StorageRoot(tmp_path / "root")
+    local = tmp_path / "ckpts"
+    first = uploader(root, local, settle_s=0)
+    write_checkpoint(local / "checkpoint-1", {"w.bin": b"kept"})
+    write_checkpoint(local / "checkpoint-2", {"w.bin": b"old"})
+    wait_until(lambda: len(names(root)) == 2, "both uploads")
+    first._stop.set()  # as a killed uploader: gone without a flush
+    (local / "checkpoint-2" / "w.bin").write_bytes(b"rewritten while no uploader watched")
+    restarted = uploader(root, local, settle_s=0)
+    result = restarted.flush(timeout=30, clean=True)
+    assert states(result) == {"checkpoint-1": "uploaded", "checkpoint-2": "uploaded"}
+    uploads = [e for e in result["events"] if " uploaded" in e]
+    assert len(uploads) == 1 and "checkpoint-2 uploaded again" in uploads[0]
+    by_name = {m.name: m for m in CheckpointStore(root).list("p", "j")}
+    assert (by_name["checkpoint-1"].version, by_name["checkpoint-2"].version) == (1, 2)
+
+
 def test_an_earlier_jobs_leftovers_are_not_uploaded_as_this_jobs(tmp_path):
     root = StorageRoot(tmp_path / "root")
     local = tmp_path / "ckpts"
-    old = write_checkpoint(local / "checkpoint-50", {"w.bin": b"last week"})
-    for path in (old / "w.bin", old):
-        os.utime(path, (time.time() - 3600, time.time() - 3600))
-    started = time.time() - 60
-    uploader = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 0}, None, started)
-    write_checkpoint(local / "checkpoint-1", {"w.bin": b"mine"})
-    result = uploader.flush(timeout=30)
-    assert result["uploaded"] == ["checkpoint-1"] and result["pending"] == []
-    assert any(
-        "skipping checkpoint-50: written before this job started" in e for e in result["events"]
-    )
-    assert [m.name for m in CheckpointStore(root).list("p", "j")] == ["checkpoint-1"]
+    write_checkpoint(local / "checkpoint-50", {"w.bin": b"last week"})
+    write_checkpoint(local / "checkpoint-60", {"w.bin": b"last week too"})
+    up = uploader(root, local, settle_s=0, earlier=earlier_checkpoints(local))
+    (local / "checkpoint-1").mkdir()  # this job's, though it stays empty a while
+    time.sleep(0.5)
+    (local / "checkpoint-1" / "w.bin").write_bytes(b"mine")
+    (local / "checkpoint-60" / "w.bin").write_bytes(b"overwritten by this job")
+    result = up.flush(timeout=30, clean=True)
+    assert states(result) == {
+        "checkpoint-1": "uploaded",
+        "checkpoint-50": "earlier_job",
+        "checkpoint-60": "uploaded",
+    }
+    said = [e for e in result["events"] if "skipping checkpoint-50" in e]
+    assert len(said) == 1 and "an earlier job's" in said[0]
+    assert any("checkpoint-60 was changed by this job" in e for e in result["events"])
+    assert names(root) == ["checkpoint-1", "checkpoint-60"]
+
+
+def test_copied_checkpoints_keep_old_file_times_and_are_still_this_jobs(root, tmp_path):
+    """`cp -a`, `shutil.copytree`, `tar x`: a base model exported as checkpoint-0."""
+    base = tmp_path / "base-model"
+    write_checkpoint(base, {"model.safetensors": os.urandom(5000), "config.json": b"{}"})
+    year_ago = time.time() - 365 * 86400
+    for path in (*base.rglob("*"), base):
+        os.utime(path, (year_ago, year_ago))
+    local = tmp_path / "ckpts"
+    up = uploader(root, local, settle_s=0.2)
+    shutil.copytree(base, local / "checkpoint-0")  # copy2: the old times come along
+    assert (local / "checkpoint-0" / "config.json").stat().st_mtime < year_ago + 1
+    result = up.flush(timeout=30, clean=True)
+    assert states(result) == {"checkpoint-0": "uploaded"}
+    assert names(root) == ["checkpoint-0"]
 
 
 def test_a_failed_upload_is_reported_once(tmp_path):
     root = StorageRoot(tmp_path / "root")
     local = tmp_path / "ckpts"
     write_checkpoint(local / "checkpoint-1", {"w.bin": b"x"})
-    (root.fs.mkdir(root.path("checkpoints/p/j/rank-0"), create_parents=True))
+    root.fs.mkdir(root.path("checkpoints/p/j/rank-0"), create_parents=True)
     # A file where the checkpoint's directory must go makes every upload of it fail.
     Path(root.path("checkpoints/p/j/rank-0/checkpoint-1")).write_text("in the way")
-    uploader = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 0})
-    result = uploader.flush(timeout=30)
-    assert result["pending"] == [] and list(result["failed"]) == ["checkpoint-1"]
+    result = uploader(root, local, settle_s=0).flush(timeout=30, clean=True)
+    assert states(result) == {"checkpoint-1": "failed"}
+    assert "Error" in reasons(result)["checkpoint-1"]
 
 
-def test_a_checkpoint_rewritten_in_place_is_uploaded_again(tmp_path):
+def test_a_rewrite_replaces_the_stored_version_atomically(root, tmp_path):
+    """While version 2 uploads, a reader still downloads version 1 whole; then version 2."""
+    first = {f"s{i}.bin": bytes([i]) * 100_000 for i in range(4)}
+    local = write_checkpoint(tmp_path / "checkpoint-1", first)
+    store = CheckpointStore(root)
+    v1 = store.upload(local, "p", "j", 0)
+    second = {name: os.urandom(100_000) for name in first}
+    for name, data in second.items():
+        (local / name).write_bytes(data)
+    # One file at a time at 0.1 MB/s: the files after the first wait about 1 s each.
+    slow = UploadSettings(bandwidth_mbps=0.1, concurrency=1)
+    upload = threading.Thread(target=lambda: store.upload(local, "p", "j", 0, slow, replaces=v1))
+    upload.start()
+    wait_until(lambda: root.list_names("checkpoints/p/j/rank-0/checkpoint-1/v2"), "version 2")
+    during = store.manifest("p", "j", 0, "checkpoint-1")
+    read = store.download(during, tmp_path / "during")
+    assert during.version == 1 and upload.is_alive()
+    assert {name: (read / name).read_bytes() for name in first} == first
+    upload.join()
+    current = store.manifest("p", "j", 0, "checkpoint-1")
+    assert current.version == 2
+    assert root.list_names("checkpoints/p/j/rank-0/checkpoint-1") == ["v2"]
+    read = store.download(current, tmp_path / "after")
+    assert {name: (read / name).read_bytes() for name in first} == second
+
+
+def test_a_checkpoint_deleted_during_its_upload_is_abandoned_cleanly(root, tmp_path):
+    """The Hugging Face Trainer's save_total_limit removes the oldest checkpoint, maybe while
+    it uploads: nothing of it is kept, a line says so, and the next one is uploaded."""
+    local = tmp_path / "ckpts"
+    up = uploader(root, local, settle_s=0, bandwidth_mbps=1, concurrency=1)
+    write_checkpoint(local / "checkpoint-1", {f"s{i}.bin": os.urandom(400_000) for i in range(5)})
+    partial = "checkpoints/p/j/rank-0/checkpoint-1/v1"
+    wait_until(lambda: root.list_names(partial), "the upload to be under way")
+    shutil.rmtree(local / "checkpoint-1")
+    write_checkpoint(local / "checkpoint-2", {"w.bin": b"next"})
+    result = up.flush(timeout=60, clean=True)
+    assert states(result) == {"checkpoint-1": "deleted", "checkpoint-2": "uploaded"}
+    assert "during its upload" in reasons(result)["checkpoint-1"]
+    assert any("upload abandoned, nothing partial kept" in e for e in result["events"])
+    assert names(root) == ["checkpoint-2"]
+    assert root.list_names("checkpoints/p/j/rank-0/checkpoint-1") == []
+
+
+def test_an_empty_directory_is_never_a_checkpoint(tmp_path):
     root = StorageRoot(tmp_path / "root")
     local = tmp_path / "ckpts"
-    (local / "checkpoint-1").mkdir(parents=True)
-    (local / "checkpoint-1" / "w.bin").write_bytes(b"half")  # written in place, in two goes
-    store = CheckpointStore(root)
-    uploader = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 0.2})
-    wait_until(lambda: store.list("p", "j"), "the first (early) upload")
-    (local / "checkpoint-1" / "w.bin").write_bytes(b"half and the rest")
-    wait_until(lambda: store.list("p", "j")[0].size_bytes == len(b"half and the rest"),
-               "the checkpoint to be uploaded again")  # fmt: skip
-    got = store.download(store.list("p", "j")[0], tmp_path / "down")
-    assert (got / "w.bin").read_bytes() == b"half and the rest"
-    uploader.flush(timeout=10)
+    up = uploader(root, local, settle_s=0)
+    (local / "checkpoint-1").mkdir()
+    time.sleep(0.4)
+    result = up.flush(timeout=10, clean=True)
+    assert states(result) == {"checkpoint-1": "ignored"}
+    assert names(root) == []
+
+
+def test_top_level_links_and_files_are_not_checkpoints(root, tmp_path):
+    private = tmp_path / "home" / ".ssh"
+    private.mkdir(parents=True)
+    (private / "id_rsa").write_text("PRIVATE KEY 91c2")
+    local = tmp_path / "ckpts"
+    up = uploader(root, local, settle_s=0)
+    os.symlink(private, local / "latest")  # a link to a directory outside
+    (local / "model.pt").write_bytes(b"a file, not a directory")
+    write_checkpoint(local / "checkpoint-1", {"w.bin": b"x"})
+    result = up.flush(timeout=30, clean=True)
+    assert states(result) == {
+        "checkpoint-1": "uploaded", "latest": "ignored", "model.pt": "ignored",
+    }  # fmt: skip
+    assert names(root) == ["checkpoint-1"]
+    said = [e for e in result["events"] if "ignoring latest" in e]
+    assert len(said) == 1 and "symbolic link" in said[0]
+    assert any("ignoring model.pt: a file at the top" in e for e in result["events"])
+    assert not any(b"PRIVATE KEY" in root.fs.cat_file(p) for p in root.fs.find(root.path("")))
+
+
+def test_temporary_names_are_not_checkpoints_until_renamed(root, tmp_path):
+    local = tmp_path / "ckpts"
+    up = uploader(root, local, settle_s=0, temporary_patterns=("*.partial-save",))
+    for name in ("tmp-checkpoint-5", "state.orbax-checkpoint-tmp-1732", "c7.partial-save"):
+        (local / name).mkdir()
+        (local / name / "w.bin").write_bytes(b"being written")
+    time.sleep(0.5)  # quiet for longer than settle_s: still not checkpoints
+    assert names(root) == []
+    os.rename(local / "tmp-checkpoint-5", local / "checkpoint-5")
+    os.rename(local / "state.orbax-checkpoint-tmp-1732", local / "state")
+    result = up.flush(timeout=30, clean=True)
+    assert states(result) == {
+        "checkpoint-5": "uploaded", "state": "uploaded", "c7.partial-save": "ignored",
+    }  # fmt: skip
+    assert reasons(result)["c7.partial-save"].startswith("a writer's temporary directory")
+    assert names(root) == ["checkpoint-5", "state"]
+
+
+def test_shards_without_metadata_wait_on_rank_0_only(tmp_path):
+    """torch.distributed.checkpoint's coordinator writes .metadata on node rank 0 alone."""
+    root = StorageRoot(tmp_path / "root")
+    ups = [uploader(root, tmp_path / f"rank-{rank}", rank=rank, settle_s=0.2) for rank in (0, 1)]
+    for rank in (0, 1):
+        (tmp_path / f"rank-{rank}" / "step-1").mkdir()
+        (tmp_path / f"rank-{rank}" / "step-1" / f"__{rank}_0.distcp").write_bytes(b"shard")
+
+    def ranks() -> list[int]:
+        return sorted(m.node_rank for m in CheckpointStore(root).list("p", "j"))
+
+    wait_until(lambda: ranks() == [1], "rank 1's shards, settled")
+    time.sleep(0.6)
+    assert ranks() == [1], "rank 0 waits for .metadata"
+    (tmp_path / "rank-0" / "step-1" / ".metadata").write_bytes(b"plan")
+    wait_until(lambda: ranks() == [0, 1], "rank 0's checkpoint, with its .metadata")
+    for up in ups:
+        up.flush(timeout=10, clean=True)

@@ -85,18 +85,44 @@ def test_checkpoints_upload_while_running_and_flush_at_the_end(tmp_path, storage
     assert any("[checkpoints] checkpoint checkpoint-1 uploaded" in line for line in job.logs())
 
 
+SAVES_ON_SIGTERM = """
+import os, pathlib, signal, sys, time
+from orchestrator import mark_checkpoint_complete
+root = pathlib.Path(os.environ["BT_CHECKPOINT_DIR"])
+def save(name, text):
+    (root / name).mkdir()
+    (root / name / "weights.txt").write_text(text)      # in place: only settling says done
+    print(f"saved {name}", flush=True)
+def on_stop(signum, frame):                             # as a trainer saving on preemption
+    time.sleep(2)                                       # a save that takes a while
+    save("checkpoint-2", "saved on SIGTERM")
+    mark_checkpoint_complete(root / "checkpoint-2")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_stop)
+save("checkpoint-1", "first")
+time.sleep(600)
+"""
+
+
 def test_a_stopped_job_flushes_its_checkpoints(tmp_path, storage_root, monkeypatch):
+    """A stop gives the whole command its grace: a trainer saving on SIGTERM finishes, and
+    the flush stores what it left; what had not settled is stored marked incomplete."""
     monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "3600")  # only the flush uploads
-    script = WRITER.replace('"6"', '"600"')
-    job = push(checkpoint_job(tmp_path / "job", "ckpt-stop", script), storage_root=storage_root)
+    job = push(checkpoint_job(tmp_path / "job", "ckpt-stop", SAVES_ON_SIGTERM),
+               storage_root=storage_root)  # fmt: skip
     deadline = time.monotonic() + 60
     while not any(line.endswith("saved checkpoint-1") for line in job.logs()):
         assert time.monotonic() < deadline, job.logs()
         time.sleep(0.2)
     assert names(job) == []
     assert job.stop() == JobState.STOPPED
-    assert names(job) == ["checkpoint-1"]
-    assert job.details().checkpoints.all_uploaded
+    assert sorted(names(job)) == ["checkpoint-1", "checkpoint-2"]
+    by_name = {m.name: m for m in job.checkpoints()}
+    assert by_name["checkpoint-2"].complete, "saved during the grace and marked complete"
+    assert not by_name["checkpoint-1"].complete, "never settled (1 hour) while its writer lived"
+    assert "the job was stopped" in by_name["checkpoint-1"].incomplete_reason
+    summary = job.details().checkpoints
+    assert summary.all_uploaded and summary.sync_status == "incomplete"
 
 
 READER = """

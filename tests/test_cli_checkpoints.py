@@ -18,7 +18,7 @@ import pytest
 
 from orchestrator import definitions as d
 from orchestrator.client.api import get_job
-from orchestrator.storage.checkpoints import CheckpointStore, Manifest, files_dir
+from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import ArchiveRef, JobRecord, JobStatus
 from orchestrator.storage.root import StorageRoot
@@ -147,7 +147,8 @@ def test_list_json_has_every_field_and_keeps_stdout_parseable(storage):
     expected = [
         {"name": m.name, "job_id": "job-new", "node_rank": m.node_rank,
          "checkpoint_type": m.checkpoint_type, "lora_rank": m.lora_rank,
-         "size_bytes": m.size_bytes, "file_count": len(m.files), "created_at": m.created_at}
+         "size_bytes": m.size_bytes, "file_count": len(m.files), "created_at": m.created_at,
+         "complete": True, "incomplete_reason": None}
         for m in storage.manifests("job-new")
     ]  # fmt: skip
     assert rows == expected
@@ -310,8 +311,8 @@ def test_a_download_that_fails_its_checksum_keeps_nothing(tmp_path):
     JobStore(root).create(make_record("job-x", "proj", 1.0), JobStatus.new("job-x"))
     local = tmp_path / "local" / "checkpoint-1"
     write_checkpoint(local, full_checkpoint(1))
-    CheckpointStore(root).upload(local, "proj", "job-x", 0)
-    stored = tmp_path / "storage" / files_dir("proj", "job-x", 0, "checkpoint-1") / "config.json"
+    manifest = CheckpointStore(root).upload(local, "proj", "job-x", 0)
+    stored = tmp_path / "storage" / manifest.files_dir / "config.json"
     stored.write_bytes(b"tampered")
     work = tmp_path / "work"
     work.mkdir()

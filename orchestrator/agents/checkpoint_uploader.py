@@ -1,11 +1,9 @@
 """The checkpoint uploader: a Ray actor per node, a process apart from the training.
 
-It watches the node's `$BT_CHECKPOINT_DIR` (every 0.1 s). Each top-level directory there is a
-checkpoint; once it is unchanged between two scans and its newest write is `settle_s` old (or
-when the job ends) it is uploaded through fsspec and committed by its manifest. One rewritten in
-place after that is uploaded again. Training never waits on it: it only ever reads the files.
-Directories whose names start with '.' are skipped (write there, then rename into place).
-A restarted uploader skips checkpoints whose manifest exists and redoes the others.
+It watches the rank's `$BT_CHECKPOINT_DIR` and uploads each checkpoint once it is complete,
+as a new version that replaces the last in one write. Training never waits on it: it only
+reads. Its rules (what is a checkpoint, when it is complete, what is an earlier job's, what
+happens on delete and rewrite) are in docs/architecture.md#the-checkpoint-uploader.
 """
 
 from __future__ import annotations
@@ -13,15 +11,62 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.storage.checkpoints import CheckpointStore, UploadSettings
+from orchestrator.agents.checkpoint_rules import (
+    EntryKind,
+    open_for_writing,
+    read_earlier_checkpoints,
+    top_level,
+    unfinished,
+)
+from orchestrator.agents.node_root import job_node_dir
+from orchestrator.agents.rename_watch import RenameWatch
+from orchestrator.storage.checkpoints import (
+    CheckpointChanged,
+    CheckpointStore,
+    Manifest,
+    UploadSettings,
+)
+from orchestrator.storage.local_checkpoint import Snapshot, snapshot
+from orchestrator.storage.records import CheckpointEntry
 from orchestrator.storage.root import StorageRoot
 
 SCAN_S = 0.1
-RECHECK_S = 2.0  # how often the volume size and uploaded checkpoints are checked again
+RECHECK_S = 2.0  # how often volume size, stored and earlier jobs' checkpoints are looked at again
+RETRY_S = 10.0  # a failed upload is tried again this long after, and by the final flush
 WARN_FRACTION = 0.9
+
+# Why a checkpoint is complete, as the log says it.
+RENAMED = "renamed into place"
+MARKED = "marked complete"
+SETTLED = "settled"
+WRITER_DONE = "its writer exited cleanly"
+
+_IGNORED_WHY = {
+    EntryKind.FILE: "a file at the top of $BT_CHECKPOINT_DIR: a checkpoint is a directory",
+    EntryKind.LINK: "a symbolic link at the top of $BT_CHECKPOINT_DIR is not followed",
+    EntryKind.TEMPORARY: "a writer's temporary directory, never renamed into place",
+}
+
+
+@dataclass
+class _Tracked:
+    """One checkpoint name, as this uploader knows it."""
+
+    seen: Snapshot | None = None
+    changed_at: float = 0.0  # monotonic: when `seen` last differed from the scan before
+    changed_wall: float = 0.0
+    ready: str | None = None  # why the content in `seen` is complete, once it is
+    ready_wall: float = 0.0
+    stored: Manifest | None = None  # the version in the storage root
+    looked_up: bool = False  # asked the storage root for a manifest (a restarted uploader)
+    failed: str | None = None
+    failed_at: float = 0.0
+    gone: str | None = None  # deleted locally before it was stored: why it is not
+    said: set[str] = field(default_factory=set)
 
 
 class CheckpointUploader:
@@ -31,34 +76,44 @@ class CheckpointUploader:
         job_id: str,
         rank: int,
         storage_root: str,
-        local_dir: str,
+        local_dir: str | None,
         settings: dict[str, Any],
         volume_size_gib: int | None = None,
-        not_before: float = 0.0,
+        earlier: dict[str, str] | None = None,
     ) -> None:
+        """`local_dir`: checkpoint_path, or None for the rank's own directory on this node.
+        `earlier`: name -> fingerprint of what it held when the job started; None: what the
+        node agent writes while it prepares (started with the agent, this waits for that)."""
         self.project, self.job_id, self.rank = project, job_id, rank
         self.store = CheckpointStore(StorageRoot(storage_root))
-        self.local_dir = Path(local_dir)
+        self.job_dir = job_node_dir(job_id, rank)
+        self.local_dir = Path(local_dir) if local_dir else self.job_dir / "checkpoints"
         self.settings = UploadSettings.model_validate(settings)
         self.volume_bytes = volume_size_gib * 2**30 if volume_size_gib else None
-        # A reused checkpoint_path may hold an earlier job's checkpoints: not this job's to upload.
-        self.not_before_ns = int(not_before * 1e9)
-        self.stale: set[str] = set()
-        self.uploaded: dict[str, float] = {}  # name -> seconds the upload took
-        self.failed: dict[str, str] = {}
+        self.earlier: dict[str, str] = dict(earlier or {})
+        self.tracked: dict[str, _Tracked] = {}
+        self.ignored: dict[str, EntryKind] = {}  # present now, not checkpoints
+        self._said_earlier: set[str] = set()
         self.events: list[str] = []
         self.over_volume: str | None = None
         self._warned = False
-        self._seen: dict[str, tuple[tuple[int, int, int], float]] = {}
-        # What an uploaded checkpoint looked like, so one rewritten in place is uploaded again.
-        self._marks: dict[str, tuple[int, int, int]] = {}
+        # (clean, wall time, how) once the rank's commands have ended: nothing settles after.
+        self._writer_end: tuple[bool, float, str] | None = None
+        self._renames: RenameWatch | None = None
+        self._started = threading.Event()  # watching: the baseline is known, renames are seen
         self._last_recheck = 0.0
+        self._open_writers: set[str] | None = None  # per scan, asked only when needed
         self._lock = threading.Lock()  # one scan (and upload) at a time
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(earlier,), daemon=True)
         self._thread.start()
 
     # --- called by the controller ------------------------------------------------------------
+
+    def ready(self, timeout: float = 60) -> bool:
+        """Whether it watches the directory yet (waits up to `timeout` s): the controller
+        starts the commands only then."""
+        return self._started.wait(timeout)
 
     def poll(self, since: int) -> dict[str, Any]:
         """Events after index `since`, and whether the directory is over its volume size."""
@@ -67,97 +122,266 @@ class CheckpointUploader:
         return {"events": self.events[since:], "next": len(self.events),
                 "over_volume": self.over_volume}  # fmt: skip
 
-    def flush(self, timeout: float | None = None) -> dict[str, Any]:
-        """Upload everything still local (the job has ended), within `timeout` seconds."""
+    def writer_ended(self, clean: bool, how: str, at: float | None = None) -> None:
+        """The rank's commands ended (`clean`: the last one exited 0): from now on a checkpoint
+        is complete only by what its writer left, never because it has been quiet."""
+        if self._writer_end is None:
+            self._writer_end = (clean, at or time.time(), how)
+
+    def flush(
+        self, timeout: float | None = None, clean: bool = False, how: str = "the job ended"
+    ) -> dict[str, Any]:
+        """Upload everything still local (the commands have ended) within `timeout` seconds;
+        what became of every name found, and the events."""
+        self.writer_ended(clean, how)
         self._stop.set()
         self._thread.join(timeout=5)
         deadline = time.monotonic() + (timeout or self.settings.flush_timeout_s)
-        self._scan(final=True, deadline=deadline)
-        pending = [
-            n
-            for n in self._local_checkpoints()
-            if n not in self.uploaded and n not in self.failed and n not in self.stale
-        ]
-        return {"uploaded": sorted(self.uploaded), "pending": pending, "failed": self.failed,
-                "events": self.events}  # fmt: skip
+        if self._started.is_set():  # else the job never got as far as its commands
+            self._scan(final=True, deadline=deadline)
+        if self._renames is not None:
+            self._renames.close()
+        return {"entries": self._entries(), "events": self.events}
 
     # --- the watch loop ----------------------------------------------------------------------
 
-    def _watch(self) -> None:
+    def _watch(self, earlier: dict[str, str] | None) -> None:
+        while earlier is None and not self._stop.is_set():
+            earlier = read_earlier_checkpoints(self.job_dir)
+            if earlier is None:
+                time.sleep(SCAN_S)
+        self.earlier = dict(earlier or {})
+        self._renames = RenameWatch(self.local_dir)
+        self._started.set()
         while not self._stop.wait(SCAN_S):
             try:
                 self._scan(final=False)
             except Exception as e:  # keep watching; the final flush reports what is left
                 self._event(f"checkpoint scan failed: {type(e).__name__}: {e}")
 
-    def _local_checkpoints(self) -> list[str]:
-        if not self.local_dir.is_dir():
-            return []
-        return sorted(
-            p.name for p in self.local_dir.iterdir() if p.is_dir() and not p.name.startswith(".")
-        )
-
     def _scan(self, final: bool, deadline: float | None = None) -> None:
         with self._lock:
             now = time.monotonic()
-            # Walking every file is for the slower checks: sizes and in-place rewrites.
             recheck = final or now - self._last_recheck >= RECHECK_S
             if recheck:
                 self._last_recheck = now
                 self._check_volume()
-            for name in self._local_checkpoints():
-                if name in self.stale or (not final and name in self.failed):
-                    continue
-                path = self.local_dir / name
-                if name in self.uploaded and (
-                    not recheck or self._marks.get(name) == _signature(path)
-                ):
-                    continue  # uploaded and untouched since (checked every RECHECK_S)
+            self._open_writers = None
+            renamed = self._renames.renamed() if self._renames else set()
+            entries = top_level(self.local_dir, self.settings.temporary_patterns)
+            self.ignored = {n: k for n, k in self.ignored.items() if entries.get(n) == k}
+            for name, kind in entries.items():
+                if kind not in (EntryKind.CHECKPOINT, EntryKind.HIDDEN):
+                    self._ignore(name, kind)
+            self._notice_deleted(entries)
+            if self._writer_end is not None:
+                self._distrust_late_settles()
+            for name in sorted(n for n, k in entries.items() if k == EntryKind.CHECKPOINT):
                 if deadline is not None and time.monotonic() > deadline:
                     self._event(f"checkpoint flush deadline passed; {name} not uploaded")
                     return
-                if (
-                    name not in self._seen
-                    and name not in self.uploaded
-                    and self.store.is_uploaded(self.project, self.job_id, self.rank, name)
-                ):
-                    self.uploaded[name] = 0.0  # a restarted uploader: already committed
-                    self._marks[name] = _signature(path)
-                    continue
-                signature = _signature(path)
-                if signature[2] < self.not_before_ns:
-                    self.stale.add(name)
-                    self._event(f"skipping {name}: written before this job started")
-                    continue
-                previous = self._seen.get(name)
-                self._seen[name] = (signature, now)
-                quiet_s = time.time() - signature[2] / 1e9  # since its newest write
-                settled = previous is not None and previous[0] == signature
-                if final or (settled and quiet_s >= self.settings.settle_s):
-                    self._upload(name)
+                try:
+                    self._consider(name, recheck, name in renamed, final)
+                except FileNotFoundError:
+                    continue  # deleted while looked at: the next scan says so
 
-    def _upload(self, name: str) -> None:
+    def _consider(self, name: str, recheck: bool, renamed: bool, final: bool) -> None:
+        """Look at one checkpoint and upload it if it is complete and not stored as it is."""
+        if name in self.earlier:
+            if not (recheck or renamed):
+                return  # an earlier job's: looked at again every RECHECK_S
+            if snapshot(self.local_dir / name).fingerprint == self.earlier[name]:
+                if name not in self._said_earlier:
+                    self._said_earlier.add(name)
+                    self._event(f"skipping {name}: it was in the checkpoint directory before "
+                                "this job started (an earlier job's)")  # fmt: skip
+                return
+            del self.earlier[name]
+            self._event(f"{name} was changed by this job: it is this job's now")
+        t = self.tracked.setdefault(name, _Tracked())
+        if not (recheck or renamed) and t.seen is not None and self._is_current(t):
+            return  # stored as it is; looked at again every RECHECK_S
+        seen = snapshot(self.local_dir / name)
+        if not t.looked_up:
+            t.looked_up = True  # a restarted uploader finds what it committed before
+            t.stored = self.store.manifest(self.project, self.job_id, self.rank, name)
+        now = time.monotonic()
+        if t.seen is None or seen.fingerprint != t.seen.fingerprint:
+            t.seen, t.changed_at, t.changed_wall, t.ready = seen, now, time.time(), None
+        for rel, why in seen.skipped_links:
+            self._once(t, f"link {rel}", f"{name}: skipped link {rel}: {why}")
+        if self._is_current(t) or not seen.files:
+            return  # stored as it is, or empty: a directory made first and filled later
+        if renamed:
+            self._ready(t, RENAMED)
+        elif t.ready is None:
+            self._ready(t, self._judge(name, t, now))
+        if t.ready is None and not final:
+            return
+        if t.failed and not final and now - t.failed_at < RETRY_S:
+            return
+        self._upload(name, t, incomplete=None if t.ready else self._why_incomplete(name, t))
+
+    def _judge(self, name: str, t: _Tracked, now: float) -> str | None:
+        """Why the content last seen is complete, or None while it may still be written."""
+        assert t.seen is not None
+        if t.seen.marked_complete:
+            return MARKED
+        if self._writer_end is not None:
+            return WRITER_DONE if self._writer_end[0] else None
+        quiet = now - t.changed_at
+        if quiet < self.settings.settle_s:
+            return None
+        if unfinished(name, t.seen, self.rank) and quiet < self.settings.format_wait_s:
+            return None
+        if self._open_writers is None:
+            self._open_writers = open_for_writing(self.local_dir)
+        if any(f.path in self._open_writers for f in t.seen.files):
+            return None
+        return SETTLED
+
+    def _ready(self, t: _Tracked, why: str | None) -> None:
+        t.ready, t.ready_wall = why, time.time()
+
+    def _is_current(self, t: _Tracked) -> bool:
+        stored, seen = t.stored, t.seen
+        return stored is not None and seen is not None and stored.source == seen.fingerprint
+
+    def _why_incomplete(self, name: str, t: _Tracked) -> str:
+        assert t.seen is not None and self._writer_end is not None
+        _, ended, how = self._writer_end
+        quiet = max(0.0, ended - t.changed_wall)
+        why = f"{how} {quiet:.1f} s after its last change, before it was complete"
+        if known := unfinished(name, t.seen, self.rank):
+            why += f" ({known})"
+        return why
+
+    def _distrust_late_settles(self) -> None:
+        """A checkpoint judged settled after its writer died had not been quiet for settle_s
+        while the writer lived: take the judgment back (and mark a stored copy incomplete)."""
+        assert self._writer_end is not None
+        clean, ended, _ = self._writer_end
+        for name, t in self.tracked.items():
+            late = t.ready == SETTLED and t.ready_wall > ended
+            if clean or not late or ended - t.changed_wall >= self.settings.settle_s:
+                continue
+            t.ready = None
+            if self._is_current(t) and t.stored is not None and t.stored.complete:
+                why = self._why_incomplete(name, t)
+                t.stored = self.store.mark_incomplete(t.stored, why)
+                self._event(f"checkpoint {name} marked INCOMPLETE: {why}")
+
+    # --- uploading -----------------------------------------------------------------------------
+
+    def _upload(self, name: str, t: _Tracked, incomplete: str | None) -> None:
+        assert t.seen is not None
         start = time.monotonic()
-        signature = _signature(self.local_dir / name)  # what is uploaded: a later change redoes it
+        replaced = t.stored
         try:
             manifest = self.store.upload(
-                self.local_dir / name, self.project, self.job_id, self.rank, self.settings
-            )
-        except Exception as e:
-            self.failed[name] = f"{type(e).__name__}: {e}"
-            self._event(f"checkpoint {name} upload failed: {self.failed[name]}")
+                self.local_dir / name, self.project, self.job_id, self.rank, self.settings,
+                seen=t.seen, replaces=replaced, incomplete_reason=incomplete,
+            )  # fmt: skip
+        except CheckpointChanged as e:
+            self._abandoned(name, t, str(e))
             return
+        except Exception as e:
+            t.failed, t.failed_at = f"{type(e).__name__}: {e}", time.monotonic()
+            self._event(f"checkpoint {name} upload failed: {t.failed}")
+            return
+        t.stored, t.failed = manifest, None
         took = time.monotonic() - start
-        self.uploaded[name] = took
-        self._marks[name] = signature
-        self.failed.pop(name, None)
-        size_mb = manifest.size_bytes / 1e6
-        self._event(
-            f"checkpoint {name} uploaded: {len(manifest.files)} files, {size_mb:.1f} MB "
-            f"in {took:.1f} s"
+        how = (
+            f"stored as INCOMPLETE: {incomplete}"
+            if incomplete
+            else f"uploaded ({t.ready})"
+            if replaced is None
+            else f"uploaded again ({t.ready}; version {manifest.version} replaces "
+            f"version {replaced.version or 1})"
         )
-        if self.settings.delete_local:
+        self._event(
+            f"checkpoint {name} {how}: {len(manifest.files)} files, "
+            f"{manifest.size_bytes / 1e6:.1f} MB in {took:.2f} s"
+        )
+        if self.settings.delete_local and not incomplete:
             shutil.rmtree(self.local_dir / name, ignore_errors=True)
+
+    def _abandoned(self, name: str, t: _Tracked, why: str) -> None:
+        """A file changed or vanished mid-upload: nothing of that upload is kept."""
+        kept = f"; version {t.stored.version or 1} stays stored" if t.stored else ""
+        if self._exists(name):
+            t.seen, t.ready = None, None  # seen afresh, and uploaded once complete again
+            t.failed, t.failed_at = f"it changed during its upload ({why})", 0.0
+            self._event(f"checkpoint {name} changed during its upload ({why}): upload "
+                        f"abandoned{kept}; it is uploaded again once complete")  # fmt: skip
+            return
+        t.gone = f"deleted by the job during its upload ({why}){kept}"
+        self._event(
+            f"checkpoint {name} was deleted during its upload (a trainer's save_total_limit?): "
+            f"upload abandoned, nothing partial kept{kept}"
+        )
+
+    def _notice_deleted(self, entries: dict[str, EntryKind]) -> None:
+        for name, t in self.tracked.items():
+            if name in entries or t.gone or t.stored is not None or t.seen is None:
+                continue
+            t.gone = "deleted by the job before it was uploaded"
+            self._event(f"{name} was {t.gone}")
+
+    # --- reporting -----------------------------------------------------------------------------
+
+    def _entries(self) -> list[CheckpointEntry]:
+        """What became of every name found: for the status at the end of the job."""
+        entries = [
+            CheckpointEntry(rank=self.rank, name=name, state="earlier_job",
+                            reason="in the checkpoint directory before this job started")
+            for name in sorted(self.earlier)
+        ]  # fmt: skip
+        for name, t in sorted(self.tracked.items()):
+            entries.append(self._entry(name, t))
+        for name, kind in sorted(self.ignored.items()):
+            entries.append(CheckpointEntry(rank=self.rank, name=name, state="ignored",
+                                           reason=_IGNORED_WHY[kind]))  # fmt: skip
+        return entries
+
+    def _entry(self, name: str, t: _Tracked) -> CheckpointEntry:
+        entry = CheckpointEntry(rank=self.rank, name=name, state="pending")
+        stored = t.stored
+        if stored is not None:
+            entry.files, entry.size_bytes = len(stored.files), stored.size_bytes
+        emptied = t.seen is not None and not t.seen.files
+        if stored is not None and (self._is_current(t) or not self._exists(name) or emptied):
+            entry.state = "uploaded" if stored.complete else "incomplete"
+            entry.reason = stored.incomplete_reason
+        elif not self._exists(name):
+            entry.state, entry.reason = "deleted", t.gone or "deleted by the job"
+        elif emptied:
+            entry.state, entry.reason = "ignored", "an empty directory: nothing to upload"
+        elif t.failed:
+            entry.state = "failed"
+            entry.reason = t.failed + (
+                f" (version {stored.version or 1}, from before its last change, is stored)"
+                if stored
+                else ""
+            )
+        else:
+            entry.reason = "the flush deadline passed before it was uploaded"
+        return entry
+
+    def _exists(self, name: str) -> bool:
+        return (self.local_dir / name).is_dir()
+
+    def _ignore(self, name: str, kind: EntryKind) -> None:
+        if self.ignored.get(name) == kind:
+            return
+        self.ignored[name] = kind
+        if kind != EntryKind.TEMPORARY:  # temporaries are expected while a writer works
+            self._event(f"ignoring {name}: {_IGNORED_WHY[kind]}")
+
+    def _once(self, t: _Tracked, key: str, message: str) -> None:
+        if key not in t.said:
+            t.said.add(key)
+            self._event(message)
 
     def _check_volume(self) -> None:
         if self.volume_bytes is None or not self.local_dir.is_dir():
@@ -180,13 +404,3 @@ class CheckpointUploader:
         self.events.append(
             f"[rank {self.rank} {time.strftime('%H:%M:%S')}] [checkpoints] {message}"
         )
-
-
-def _signature(path: Path) -> tuple[int, int, int]:
-    """(files, bytes, newest mtime in ns): unchanged between scans means the writer is done."""
-    files = size = newest = 0
-    for p in path.rglob("*"):
-        if p.is_file():
-            st = p.stat()
-            files, size, newest = files + 1, size + st.st_size, max(newest, st.st_mtime_ns)
-    return files, size, newest

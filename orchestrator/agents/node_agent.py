@@ -23,12 +23,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.agents.node_root import node_root
+from orchestrator.agents.node_root import job_node_dir
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
 from orchestrator.agents.services import actor_alive
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
+from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS
 from orchestrator.storage.root import StorageRoot
 
 # Weights and the training cache are imported where a job uses them: every job's agent worker
@@ -72,7 +73,7 @@ class NodeAgent:
     def __init__(self, job_id: str, rank: int, storage_root: str, team: str | None = None) -> None:
         self.job_id, self.rank, self.team = job_id, rank, team
         self.storage = StorageRoot(storage_root)
-        self.base = node_root() / "jobs" / job_id / f"rank-{rank}"
+        self.base = job_node_dir(job_id, rank)
         self.working_dir = self.base / "workspace"
         self.scratch_dir = self.base / "scratch"
         self.actor_name = agent_name(job_id, rank)
@@ -129,6 +130,10 @@ class NodeAgent:
         (self.base / "checkpoints").mkdir(exist_ok=True)
         if checkpoint_dir:
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        # Before any command runs: what a reused checkpoint_path already holds is not this job's.
+        from orchestrator.agents.checkpoint_rules import write_earlier_checkpoints
+
+        write_earlier_checkpoints(Path(checkpoint_dir or self.base / "checkpoints"), self.base)
         if load and download_folder:
             store = CheckpointStore(self.storage)
             folder = (
@@ -256,12 +261,12 @@ class NodeAgent:
             if code != 0:
                 yield ("result", {
                     "exit_code": code, "command": command, "last_lines": list(last_lines),
-                    "stopped": self._stopping.is_set(),
+                    "stopped": self._stopping.is_set(), "ended_at": time.time(),
                 })  # fmt: skip
                 return
         yield ("result", {
             "exit_code": 0, "command": None, "last_lines": list(last_lines),
-            "stopped": self._stopping.is_set(),
+            "stopped": self._stopping.is_set(), "ended_at": time.time(),
         })  # fmt: skip
 
     def _join(self, rendezvous: Any) -> dict[str, Any] | None:
@@ -284,18 +289,21 @@ class NodeAgent:
         return None
 
     def stop(self, grace_s: float = 10.0) -> bool:
-        """SIGTERM the running command's process group, SIGKILL after `grace_s`."""
+        """SIGTERM the running command's process group, SIGKILL what is left after `grace_s`.
+
+        The whole group gets the grace, not only the shell: a trainer that saves a checkpoint
+        on SIGTERM outlives the `sh -c` that started it, which SIGTERM ends at once.
+        """
         self._stopping.set()
         proc = self._process
         if proc is None or proc.poll() is not None:
             return False
         _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait()
-        _signal_group(proc.pid, signal.SIGKILL)  # children that ignored SIGTERM and outlived sh
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
+            time.sleep(0.05)
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
         return True
 
     def cleanup(self, keep_checkpoints: bool = True) -> None:
@@ -311,6 +319,7 @@ class NodeAgent:
         shutil.rmtree(self.scratch_dir, ignore_errors=True)
         shutil.rmtree(self.working_dir, ignore_errors=True)
         shutil.rmtree(self.base / "loaded_checkpoints", ignore_errors=True)
+        (self.base / EARLIER_CHECKPOINTS).unlink(missing_ok=True)
         if not keep_checkpoints:
             shutil.rmtree(self.base / "checkpoints", ignore_errors=True)
         for empty in (self.base / "checkpoints", self.base, self.base.parent):
@@ -366,6 +375,16 @@ def _drain(lines: queue.Queue[str | None], wait: float = 0.1, max_lines: int = 1
         except queue.Empty:
             break
     return batch
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

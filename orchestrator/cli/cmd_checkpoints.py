@@ -77,7 +77,11 @@ def list_checkpoints(
     table.add_column("checkpoint", no_wrap=True, min_width=max(len(m.name) for m in found))
     table.add_column("job id", no_wrap=True, min_width=max(len(m.job_id) for m in found))
     for column in ("rank", "type", "size", "files", "created"):
-        table.add_column(column, justify="right" if column in ("rank", "size", "files") else "left")
+        table.add_column(
+            column,
+            justify="right" if column in ("rank", "size", "files") else "left",
+            no_wrap=column == "type",  # "full, INCOMPLETE" must stay readable
+        )
     for m in found:
         table.add_row(m.name, m.job_id, str(m.node_rank), _type(m), human_bytes(m.size_bytes),
                       str(len(m.files)), when(m.created_at))  # fmt: skip
@@ -109,6 +113,9 @@ def download(
     """Download one checkpoint into TARGET_DIRECTORY/<name>/ and print where it went."""
     job = _pick_job(job_id, project, storage_root, notice_on_stderr=True)
     manifest = _choose(job, name, rank)
+    if not manifest.complete:
+        warning = f"warning: {manifest.key} is incomplete: {manifest.incomplete_reason}"
+        _stderr.print(warning, style="yellow", markup=False)
     dest = (target_directory or Path(f"{job.id}-checkpoints")) / manifest.name
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise OrchestratorError(
@@ -159,8 +166,14 @@ def _choose(job: JobHandle, name: str | None, rank: int | None) -> Manifest:
             raise OrchestratorError(
                 f"rank {rank} of job {job.id} uploaded no checkpoints; it has: {_inventory(every)}"
             )
-    if name is None:
-        name = found[-1].name
+    if name is None:  # the newest whole one: an incomplete checkpoint only when named
+        whole = [m for m in found if m.complete]
+        if not whole:
+            raise OrchestratorError(
+                f"job {job.id} has only incomplete checkpoints ({_inventory(every)}): "
+                "name one with --name to download it anyway"
+            )
+        name = whole[-1].name
     found = [m for m in found if m.name == name]
     if not found:
         raise OrchestratorError(
@@ -209,9 +222,10 @@ def _natural(name: str) -> list[tuple[int, int | str]]:
 
 
 def _type(m: Manifest) -> str:
-    if m.checkpoint_type == "lora":
-        return f"lora (r={m.lora_rank})" if m.lora_rank is not None else "lora"
-    return m.checkpoint_type
+    kind = m.checkpoint_type
+    if kind == "lora" and m.lora_rank is not None:
+        kind = f"lora (r={m.lora_rank})"
+    return kind if m.complete else f"{kind}, INCOMPLETE"
 
 
 def _row(m: Manifest) -> dict:
@@ -224,4 +238,6 @@ def _row(m: Manifest) -> dict:
         "size_bytes": m.size_bytes,
         "file_count": len(m.files),
         "created_at": m.created_at,
+        "complete": m.complete,
+        "incomplete_reason": m.incomplete_reason,
     }

@@ -25,7 +25,6 @@ from orchestrator.client.overrides import Overrides
 from orchestrator.client.prepare import PreparedJob, prepare_job
 from orchestrator.client.submit import submit
 from orchestrator.client.workspace import write_archive
-from orchestrator.lifecycle import JobState
 from orchestrator.storage.job_store import JobStore
 
 
@@ -73,8 +72,8 @@ def push(
             f"  stop:  orchestrator stop --job-id {job.id}",
             markup=True,
         )
-    if tail and follow(job) != JobState.COMPLETED:
-        raise typer.Exit(1)
+    if tail and (code := follow(job)):
+        raise typer.Exit(code)
 
 
 def _dry_run(prepared: PreparedJob, output: OutputFormat) -> None:

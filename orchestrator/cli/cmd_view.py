@@ -11,6 +11,7 @@ from orchestrator.cli.options import JobId, Project, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json, when
 from orchestrator.client.api import get_job, list_jobs
 from orchestrator.client.jobs import JobHandle
+from orchestrator.storage.records import JobStatus
 
 
 def view(
@@ -33,30 +34,50 @@ def view(
         print_json(rows)
         return
     table = Table(title=f"jobs of {project}" if project else "jobs")
-    for column in ("job id", "project", "name", "status", "nodes", "created"):
+    for column in ("job id", "project", "name", "status", "nodes", "checkpoints", "created"):
         table.add_column(column)
     for r in rows:
         table.add_row(r["id"], r["project"], r["name"] or "-", r["status"], str(r["nodes"]),
-                      r["created"])  # fmt: skip
+                      r["checkpoints"] or "-", r["created"])  # fmt: skip
     console.print(table)
+    for warning in _unstored_warnings(rows):
+        console.print(warning, markup=True)
 
 
-def _job_row(job: JobHandle) -> dict:
+def _unstored_warnings(rows: list[dict]) -> list[str]:
+    """Per project, when its latest job ended without every checkpoint stored."""
+    latest: dict[str, dict] = {}
+    for r in rows:  # oldest first
+        latest[r["project"]] = r
+    return [
+        f"[yellow]project {p}: its latest job, {r['id']}, did not store all its checkpoints "
+        f"({r['checkpoints']}): orchestrator view --job-id {r['id']}[/yellow]"
+        for p, r in latest.items()
+        if r["checkpoint_sync_status"] == "not_synced"
+    ]
+
+
+def _job_row(job: JobHandle, details: JobStatus | None = None) -> dict:
     r = job.record
+    details = details or job.details()
+    summary = details.checkpoints
     return {
         "id": job.id,
         "project": r.project,
         "name": r.job_name,
-        "status": job.status().value,
+        "status": details.state.value,
         "nodes": r.spec.job.compute.node_count,
+        "checkpoints": summary.describe() if summary else None,
+        "checkpoint_sync_status": summary.sync_status if summary else None,
         "created": when(r.created_at),
     }
 
 
 def _job_detail(job: JobHandle) -> dict:
     details = job.details()
+    summary = details.checkpoints
     return {
-        **_job_row(job),
+        **_job_row(job, details),
         "team": job.record.team,
         "storage_root": job.record.storage_root,
         "ray_address": job.record.ray_address,
@@ -64,6 +85,10 @@ def _job_detail(job: JobHandle) -> dict:
         "failure": details.failure.model_dump(mode="json") if details.failure else None,
         "nodes_detail": [n.model_dump(mode="json") for n in details.nodes],
         "weights": [w.model_dump(mode="json") for w in details.weights],
+        "checkpoint_entries": (
+            [e.model_dump(mode="json") for e in summary.entries] if summary else []
+        ),
+        "checkpoint_problems": summary.problems() if summary else [],
         "notices": job.record.notices,
     }
 
@@ -95,6 +120,10 @@ def _print_detail(job: JobHandle) -> None:
         table.add_row(f"rank {node['rank']}", f"{node['ip']} ({node['hostname']})")
     for i, w in enumerate(d["weights"]):
         table.add_row(f"weights[{i}]", _weights_line(w))
+    if d["checkpoints"]:
+        table.add_row("checkpoints", f"{d['checkpoints']}: {d['checkpoint_sync_status']}")
+        for problem in d["checkpoint_problems"]:
+            table.add_row("", problem)
     if d["failure"]:
         f = d["failure"]
         table.add_row("cause", f["cause"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from orchestrator.cli.render import console
 from orchestrator.client.api import get_job, latest_job
 from orchestrator.client.jobs import JobHandle
-from orchestrator.lifecycle import JobState
+from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, JobState
 
 ENDINGS = {
     JobState.COMPLETED: "[green]completed successfully[/green]",
@@ -23,18 +23,29 @@ def pick_job(job_id: str | None, project: str | None, storage_root: str | None) 
     return job
 
 
-def follow(job: JobHandle) -> JobState:
-    """Print the job's log lines as they arrive, then how it ended."""
+def follow(job: JobHandle) -> int:
+    """Print the job's log lines as they arrive, then how it ended; its exit code."""
     for line in job.logs(follow=True):
         print(line, flush=True)
     return print_ending(job)
 
 
-def print_ending(job: JobHandle) -> JobState:
+def print_ending(job: JobHandle) -> int:
+    """How the job ended, and any checkpoint it did not store whole; the exit code that says so:
+    0 completed, 3 completed without every checkpoint stored, 1 anything else."""
     details = job.details()
     state = details.state
-    if state in ENDINGS:
+    summary = details.checkpoints
+    unstored = summary is not None and not summary.all_uploaded
+    if state == JobState.COMPLETED and unstored:
+        console.print(f"job {job.id} [yellow]completed, but its checkpoints were not all "
+                      "stored[/yellow]", markup=True)  # fmt: skip
+    elif state in ENDINGS:
         console.print(f"job {job.id} {ENDINGS[state]}", markup=True)
-        if details.failure is not None:
-            console.print(f"  cause: {details.failure.cause}", markup=False)
-    return state
+    if details.failure is not None:
+        console.print(f"  cause: {details.failure.cause}", markup=False)
+    for problem in summary.problems() if summary else []:
+        console.print(f"  checkpoint {problem}", markup=False)
+    if state != JobState.COMPLETED:
+        return 1
+    return CHECKPOINTS_NOT_STORED_EXIT if unstored else 0

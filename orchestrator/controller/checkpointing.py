@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.agents.checkpoint_uploader import CheckpointUploader
-from orchestrator.controller.environment import checkpoint_dir
 from orchestrator.errors import OrchestratorError
 from orchestrator.spec.checkpoints import (
     _BasetenLatestCheckpoint,
@@ -18,7 +18,7 @@ from orchestrator.spec.checkpoints import (
 )
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.job_store import JobNotFound, JobStore
-from orchestrator.storage.records import CheckpointSummary, JobRecord, NodeInfo
+from orchestrator.storage.records import CheckpointEntry, CheckpointSummary, JobRecord
 
 POLL_EVERY_S = 1.0
 
@@ -49,6 +49,13 @@ def resolve_checkpoints(record: JobRecord, store: JobStore) -> list[Manifest]:
             if not matches:
                 raise CheckpointNotFound(
                     f"{where}: job {ref.job_id} has no checkpoint named {ref.checkpoint_name!r}"
+                )
+            broken = next((m for m in matches if not m.complete), None)
+            if broken is not None:
+                raise CheckpointNotFound(
+                    f"{where}: checkpoint {ref.checkpoint_name!r} of job {ref.job_id} is "
+                    f"incomplete ({broken.incomplete_reason}); `orchestrator checkpoints download "
+                    f"--job-id {ref.job_id} --name {ref.checkpoint_name}` fetches it to look at"
                 )
             found += matches
             continue
@@ -90,11 +97,12 @@ def _latest(
         candidates = [r.job_id for r in sorted(jobs, key=lambda r: r.created_at, reverse=True)]
         scope = f"project {project!r}"
     for job_id in candidates:
-        manifests = checkpoints.list(project, job_id)
+        # An incomplete checkpoint (its writer died before it was whole) is never "latest".
+        manifests = [m for m in checkpoints.list(project, job_id) if m.complete]
         if manifests:
             newest = max(manifests, key=lambda m: m.created_at).name
             return [m for m in manifests if m.name == newest]
-    raise CheckpointNotFound(f"{where}: {scope} has no uploaded checkpoint to load")
+    raise CheckpointNotFound(f"{where}: {scope} has no complete uploaded checkpoint to load")
 
 
 def _project_of(job_id: str, store: JobStore, where: str) -> str:
@@ -107,37 +115,44 @@ def _project_of(job_id: str, store: JobStore, where: str) -> str:
 class Uploaders:
     """One CheckpointUploader per rank, in that rank's bundle; polled while the job runs."""
 
-    def __init__(self, record: JobRecord, pg: PlacementGroup, nodes: list[NodeInfo]) -> None:
-        job = record.spec.job
+    def __init__(self, record: JobRecord, pg: PlacementGroup, group_size: int) -> None:
+        """Started with the agents, so their workers start while the nodes prepare; each
+        watches once its agent has noted what the checkpoint directory held before the job."""
+        checkpointing = record.spec.job.runtime.checkpointing_config
         settings = record.checkpoint_upload.model_dump()
         self.actors = [
             ray.remote(CheckpointUploader)
             .options(
-                name=f"orchestrator-{record.job_id}-uploader-{node.rank}",
+                name=f"orchestrator-{record.job_id}-uploader-{rank}",
                 namespace="orchestrator",
                 num_cpus=0,
                 # A killed uploader comes back and redoes what it had not committed.
                 max_restarts=-1,
                 max_task_retries=-1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=node.rank
+                    placement_group=pg, placement_group_bundle_index=rank
                 ),
             )
             .remote(
                 record.project,
                 record.job_id,
-                node.rank,
+                rank,
                 record.storage_root,
-                checkpoint_dir(record, node),
+                checkpointing.checkpoint_path,
                 settings,
-                job.runtime.checkpointing_config.volume_size_gib,
-                record.created_at,
+                checkpointing.volume_size_gib,
             )
-            for node in nodes
+            for rank in range(group_size)
         ]
         self.flush_timeout_s = record.checkpoint_upload.flush_timeout_s
         self._cursors = [0] * len(self.actors)
         self._last_poll = 0.0
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        """Until every uploader watches its directory: a checkpoint renamed into place in the
+        commands' first moment is seen as renamed."""
+        if not all(ray.get([actor.ready.remote() for actor in self.actors], timeout=timeout)):
+            raise TimeoutError("a checkpoint uploader did not start watching within 60 s")
 
     def poll(self) -> tuple[list[str], str | None]:
         """New event lines, and the over-volume error of a rank if one is over (at most 1/s)."""
@@ -156,26 +171,38 @@ class Uploaders:
             over = over or state["over_volume"]
         return lines, over
 
-    def flush(self, timeout: float | None = None) -> tuple[list[str], CheckpointSummary]:
+    def writer_ended(self, ending: RankEnding) -> None:
+        """Tell a rank's uploader at once that its commands ended (not waited for)."""
+        self.actors[ending.rank].writer_ended.remote(ending.clean, ending.how, ending.at)
+
+    def flush(
+        self, endings: list[RankEnding], timeout: float | None = None
+    ) -> tuple[list[str], CheckpointSummary]:
         """Upload what is left on every rank, within `timeout` (else the flush deadline)."""
         timeout = min(timeout or self.flush_timeout_s, self.flush_timeout_s)
-        refs = [a.flush.remote(timeout) for a in self.actors]
+        refs = [
+            actor.flush.remote(timeout, e.clean, e.how)
+            for actor, e in zip(self.actors, endings, strict=True)
+        ]
         lines: list[str] = []
-        uploaded: list[str] = []
-        pending: list[str] = []
-        failed: dict[str, str] = {}
+        entries: list[CheckpointEntry] = []
+        unreachable: dict[str, str] = {}
         for rank, (ref, cursor) in enumerate(zip(refs, self._cursors, strict=True)):
             try:
                 result = ray.get(ref, timeout=timeout + 30)
             except Exception as e:
-                failed[f"rank-{rank}"] = f"uploader unreachable: {type(e).__name__}"
+                unreachable[f"rank-{rank}"] = f"uploader unreachable: {type(e).__name__}"
                 continue
             lines += result["events"][cursor:]
-            uploaded += [f"rank-{rank}/{n}" for n in result["uploaded"]]
-            pending += [f"rank-{rank}/{n}" for n in result["pending"]]
-            failed |= {f"rank-{rank}/{n}": why for n, why in result["failed"].items()}
-        summary = CheckpointSummary(
-            uploaded=uploaded, pending=pending, failed=failed,
-            all_uploaded=not pending and not failed,
-        )  # fmt: skip
-        return lines, summary
+            entries += result["entries"]
+        return lines, CheckpointSummary.of(entries, unreachable)
+
+
+@dataclass(frozen=True)
+class RankEnding:
+    """How a rank's commands ended, as its uploader needs to know."""
+
+    rank: int
+    clean: bool  # the last command exited 0: every checkpoint it left is complete
+    how: str  # for an incomplete checkpoint's reason: "rank 0's command exited with code 137"
+    at: float | None = None  # when, by the node's clock

@@ -24,6 +24,7 @@ from orchestrator.agents.secret_service import start_secret_service
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.controller.checkpointing import (
     CheckpointNotFound,
+    RankEnding,
     Uploaders,
     resolve_checkpoints,
 )
@@ -39,7 +40,7 @@ from orchestrator.controller.training_cache import (
 )
 from orchestrator.controller.weights import WeightsUnavailable, mirror_weights, record_deliveries
 from orchestrator.envflags import env_flag
-from orchestrator.lifecycle import JobState
+from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, JobState
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.logs import LogWriter
@@ -58,6 +59,7 @@ STOP_GRACE_S = 10.0
 CACHE_AFFINITY_WAIT_S = 3.0
 WRITE_BACK_S = 600.0
 STOP_FLUSH_S = 40.0  # within the 60 s RAY_JOB_STOP_WAIT_TIME_S, after the commands' grace
+RESULT_WAIT_S = 5.0  # for a stopped rank's result to come through its stream
 
 
 class JobStopped(Exception):
@@ -93,6 +95,7 @@ class JobController:
         self.uploaders: Uploaders | None = None
         self.weight_sets: list[dict[str, Any]] = []  # mirrored sets, in the order of `weights`
         self.cache_affinity: str | None = None
+        self.results: list[_RankResult] = []  # one per rank once the commands start
 
     # --- state -----------------------------------------------------------------------------
 
@@ -259,6 +262,9 @@ class JobController:
                 ).remote(self.record.job_id, rank, self.record.storage_root, self.record.team)
             )
         job = self.record.spec.job
+        if job.runtime.checkpointing_config.enabled:
+            self.uploaders = Uploaders(self.record, self.pg, compute.node_count)
+            self.helpers += self.uploaders.actors
         secret_names = sorted({ref.name for ref in job.runtime.secret_references().values()})
         archive = self.record.archive
         load_config = job.runtime.load_checkpoint_config
@@ -288,9 +294,8 @@ class JobController:
             updates["cache"] = seeding_status(infos, self.cache_affinity)
             self._say_lines(seeding_lines(updates["cache"]))
         self.status = self.status.model_copy(update=updates)
-        if job.runtime.checkpointing_config.enabled:
-            self.uploaders = Uploaders(self.record, self.pg, nodes)
-            self.helpers += self.uploaders.actors
+        if self.uploaders is not None:
+            self.uploaders.wait_ready()  # watching before any command runs
 
     def _start_rendezvous(self, group_size: int) -> Any:
         """Started with the agents, so its worker starts while they prepare, not after.
@@ -333,7 +338,7 @@ class JobController:
             for var, ref in job.runtime.environment_variables.items()
             if isinstance(ref, SecretReference)
         }
-        results = [_RankResult(rank) for rank in range(len(self.agents))]
+        results = self.results = [_RankResult(rank) for rank in range(len(self.agents))]
         self.move(JobState.RUNNING, f"running {len(job.runtime.start_commands)} command(s)")
         for node, agent, result in zip(nodes, self.agents, results, strict=True):
             stream = agent.run_commands.options(num_returns="streaming").remote(
@@ -374,11 +379,17 @@ class JobController:
             self.say("uploading the checkpoints still on the nodes")
             # A stopping job has until Ray's stop grace (RAY_JOB_STOP_WAIT_TIME_S) runs out.
             timeout = STOP_FLUSH_S if state == JobState.STOPPED else None
-            events, summary = self.uploaders.flush(timeout)
+            for result in self.results:  # stopped or ended: each result follows its exit closely
+                result.done.wait(RESULT_WAIT_S)
+            endings = [_ending(r, state) for r in self.results]
+            events, summary = self.uploaders.flush(endings, timeout)
             self._say_lines(events)
+            for problem in summary.problems():  # nothing quiet: each one, with why
+                self.say(f"checkpoint {problem}")
             if not summary.all_uploaded:
-                missing = [*summary.pending, *summary.failed]
-                self.say(f"checkpoints not uploaded: {', '.join(missing)}")
+                missing = ", ".join([*summary.pending, *summary.failed])
+                self.say(f"checkpoints not uploaded: {missing}")
+                reason += f", but checkpoints were not all stored (not stored: {missing})"
             updates["checkpoints"] = summary
         if self.status.cache is not None and self.status.nodes:
             updates["cache"] = self._write_back_cache(wait=state != JobState.STOPPED)
@@ -430,6 +441,9 @@ class JobController:
             result.error = e
         finally:
             result.done.set()
+            if self.uploaders is not None:  # from now on nothing on that node is settling
+                with contextlib.suppress(Exception):
+                    self.uploaders.writer_ended(_ending(result, None))
 
     def _stop_agents(self) -> None:
         refs = [agent.stop.remote(STOP_GRACE_S) for agent in self.agents]
@@ -458,6 +472,21 @@ def use_image_uri() -> bool:
 
 def _failed(result: _RankResult) -> bool:
     return result.error is not None or (result.result or {}).get("exit_code", 0) != 0
+
+
+def _ending(result: _RankResult, state: JobState | None) -> RankEnding:
+    """How a rank's commands ended; `state`: the job's end, for a rank still running."""
+    r = result.result if result.done.is_set() else None
+    if r is None:
+        how = "the job was stopped" if state == JobState.STOPPED else "the job ended"
+        if result.error is not None:
+            how = f"rank {result.rank} was lost"
+        return RankEnding(result.rank, clean=False, how=how)
+    code = r["exit_code"]
+    how = f"rank {result.rank}'s command exited with code {code}"
+    if r.get("stopped"):
+        how = f"the job was stopped (exit code {code})"
+    return RankEnding(result.rank, clean=code == 0, how=how, at=r.get("ended_at"))
 
 
 def _failure_of(result: _RankResult) -> Failure:
@@ -497,4 +526,9 @@ def run_controller(job_id: str, storage_root: str, scheduling_timeout_s: float) 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, on_sigterm)
     final = controller.run()
-    return 0 if final == JobState.COMPLETED else 1
+    if final != JobState.COMPLETED:
+        return 1
+    summary = controller.status.checkpoints
+    # The commands succeeded but not every checkpoint was stored: not a plain success in Ray's
+    # eyes either (the dashboard shows the job FAILED with this code, `ray job submit` exits 1).
+    return CHECKPOINTS_NOT_STORED_EXIT if summary and not summary.all_uploaded else 0

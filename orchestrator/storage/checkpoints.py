@@ -1,29 +1,38 @@
 """Checkpoints under the storage root: uploaded whole or not at all, listed from their manifests.
 
-    checkpoints/<project>/<job_id>/rank-<n>/<name>/<files>      the files, uploaded first
-    checkpoints/<project>/<job_id>/manifests/rank-<n>/<name>.json   written last: the commit
+    checkpoints/<project>/<job_id>/rank-<n>/<name>/v<k>/<files>   version k's files, uploaded first
+    checkpoints/<project>/<job_id>/manifests/rank-<n>/<name>.json  written last: the commit
 
 A checkpoint without a manifest does not exist for readers, so a crash mid-upload shows nothing.
+A checkpoint uploaded again (rewritten in place) goes to the next version; readers keep seeing
+the previous one until the new manifest replaces it in one write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO, TypeVar
 
+from fsspec import AbstractFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.envflags import env_flag
 from orchestrator.errors import ConfigError
+from orchestrator.storage.local_checkpoint import LocalFile, Snapshot, snapshot
 from orchestrator.storage.root import StorageRoot
 
 CHUNK = 8 * 1024 * 1024
+DOWNLOAD_CONCURRENCY = 8
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class ManifestFile(BaseModel):
@@ -44,10 +53,20 @@ class Manifest(BaseModel):
     created_at: float  # when the upload finished
     checkpoint_type: str = "full"  # "lora" when adapter_config.json is present
     lora_rank: int | None = None
+    # Each upload of a name is a new version beside the last; the manifest names the one to read.
+    version: int | None = None  # None: written before versions, files directly under <name>/
+    # False: stored as it was when its writer died before it settled; never loaded as "latest".
+    complete: bool = True
+    incomplete_reason: str | None = None
+    source: str | None = None  # fingerprint of the local directory it was uploaded from
 
     @property
     def key(self) -> str:
         return f"{self.job_id}/rank-{self.node_rank}/{self.name}"
+
+    @property
+    def files_dir(self) -> str:
+        return files_dir(self.project, self.job_id, self.node_rank, self.name, self.version)
 
 
 _ENV = "ORCHESTRATOR_CHECKPOINT_"
@@ -58,18 +77,24 @@ class UploadSettings(BaseModel):
 
     concurrency: int = Field(default=8, ge=1)
     bandwidth_mbps: float | None = Field(default=None, gt=0)  # MB/s per node, None: no cap
-    settle_s: float = Field(default=0.5, ge=0)  # no write for this long means complete
+    settle_s: float = Field(default=0.5, ge=0)  # no change for this long means complete
+    # How long a checkpoint a known writer has not finished (docs) waits before it settles anyway.
+    format_wait_s: float = Field(default=60, ge=0)
     delete_local: bool = False
     flush_timeout_s: float = Field(default=600, gt=0)
+    temporary_patterns: tuple[str, ...] = ()  # more names (globs) writers rename when done
 
     @classmethod
     def from_env(cls) -> UploadSettings:
         """Settings from ORCHESTRATOR_CHECKPOINT_*; a bad value is a ConfigError naming it."""
         values: dict[str, object] = {"delete_local": env_flag(f"{_ENV}DELETE_LOCAL")}
-        for field in ("concurrency", "bandwidth_mbps", "settle_s", "flush_timeout_s"):
+        for field in ("concurrency", "bandwidth_mbps", "settle_s", "format_wait_s",
+                      "flush_timeout_s"):  # fmt: skip
             var = f"{_ENV}{field.upper()}"
             if os.environ.get(var):
                 values[field] = os.environ[var]
+        patterns = os.environ.get(f"{_ENV}TEMPORARY_PATTERNS", "")
+        values["temporary_patterns"] = tuple(p.strip() for p in patterns.split(",") if p.strip())
         try:
             return cls.model_validate(values)
         except ValidationError as e:
@@ -80,12 +105,18 @@ class UploadSettings(BaseModel):
             raise ConfigError("Invalid checkpoint upload settings:", problems) from None
 
 
-def files_dir(project: str, job_id: str, rank: int, name: str) -> str:
-    return f"checkpoints/{project}/{job_id}/rank-{rank}/{name}"
+def files_dir(project: str, job_id: str, rank: int, name: str, version: int | None = None) -> str:
+    """Where one version of a checkpoint's files lives (None: written before versions)."""
+    base = f"checkpoints/{project}/{job_id}/rank-{rank}/{name}"
+    return base if version is None else f"{base}/v{version}"
 
 
 def manifest_path(project: str, job_id: str, rank: int, name: str) -> str:
     return f"checkpoints/{project}/{job_id}/manifests/rank-{rank}/{name}.json"
+
+
+class CheckpointChanged(OSError):
+    """A file of the checkpoint changed or vanished while it was being uploaded."""
 
 
 class _Throttle:
@@ -124,62 +155,105 @@ class CheckpointStore:
         job_id: str,
         rank: int,
         settings: UploadSettings | None = None,
+        *,
+        seen: Snapshot | None = None,
+        replaces: Manifest | None = None,
+        incomplete_reason: str | None = None,
     ) -> Manifest:
-        """Upload a local checkpoint directory, files in parallel, then commit its manifest."""
+        """Upload a local checkpoint as a new version, files in parallel, then commit it.
+
+        `seen` is the snapshot judged complete (default: taken now); the files uploaded are
+        exactly its files, and one that changed or vanished since raises CheckpointChanged with
+        nothing of this version left behind. The manifest is written last: until then readers
+        see `replaces` (the version stored before), whose files are removed once it is replaced.
+        """
         settings = settings or UploadSettings()
-        throttle = _Throttle(settings.bandwidth_mbps)
+        seen = seen or snapshot(local_dir)
         name = local_dir.name
-        base = files_dir(project, job_id, rank, name)
-        paths = sorted(p for p in local_dir.rglob("*") if p.is_file() and not p.is_symlink())
-
-        def send(path: Path) -> ManifestFile:
-            rel = path.relative_to(local_dir).as_posix()
-            digest, size = self._copy_up(path, f"{base}/{rel}", throttle)
-            return ManifestFile(path=rel, size=size, sha256=digest)
-
-        with ThreadPoolExecutor(max_workers=settings.concurrency) as pool:
-            files = list(pool.map(send, paths))
-        kind, lora_rank = _checkpoint_type(local_dir)
+        version = (replaces.version or 0) + 1 if replaces is not None else 1
+        base = files_dir(project, job_id, rank, name, version)
+        throttle = _Throttle(settings.bandwidth_mbps)
+        kind, lora_rank = _checkpoint_type(seen)
+        try:
+            files = self._send_all(seen.files, base, throttle, settings.concurrency)
+        except BaseException:
+            self._remove_dir(base)
+            raise
         manifest = Manifest(
             project=project, job_id=job_id, node_rank=rank, name=name, files=files,
             size_bytes=sum(f.size for f in files), created_at=time.time(),
-            checkpoint_type=kind, lora_rank=lora_rank,
+            checkpoint_type=kind, lora_rank=lora_rank, version=version,
+            complete=incomplete_reason is None, incomplete_reason=incomplete_reason,
+            source=seen.fingerprint,
         )  # fmt: skip
-        self.root.write_bytes(
-            manifest_path(project, job_id, rank, name), manifest.model_dump_json().encode()
-        )
+        self._commit(manifest)
+        if replaces is not None:
+            self._remove_files(replaces)
         return manifest
 
-    def _copy_up(self, local: Path, rel: str, throttle: _Throttle) -> tuple[str, int]:
-        """Upload one file and return its sha256 and size.
+    def mark_incomplete(self, manifest: Manifest, reason: str) -> Manifest:
+        """Re-commit a stored checkpoint as incomplete (its writer died before it settled)."""
+        marked = manifest.model_copy(update={"complete": False, "incomplete_reason": reason})
+        self._commit(marked)
+        return marked
 
-        Without a bandwidth cap: hash it from the local disk, then let fsspec's `put_file` send it
-        (s3fs sends a large file's parts concurrently). With a cap: stream it through the
-        throttle, hashing on the way.
+    def _commit(self, manifest: Manifest) -> None:
+        path = manifest_path(manifest.project, manifest.job_id, manifest.node_rank, manifest.name)
+        self.root.write_bytes(path, manifest.model_dump_json().encode())
+
+    def _send_all(
+        self, files: tuple[LocalFile, ...], base: str, throttle: _Throttle, concurrency: int
+    ) -> list[ManifestFile]:
+        return _each(lambda f: self._send(f, f"{base}/{f.rel}", throttle), files, concurrency)
+
+    def _send(self, local: LocalFile, rel: str, throttle: _Throttle) -> ManifestFile:
+        """Upload one file and return its entry, if it is still the file the snapshot saw.
+
+        Without a bandwidth cap: hash it from the local disk, then let fsspec's `put_file` send
+        it (s3fs sends a large file's parts concurrently). With a cap: stream it through the
+        throttle, hashing on the way. Its size, mtime and inode are checked before and after.
         """
         target = self.root.path(rel)
         if self.root.is_local:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
-        if throttle.unlimited:
-            digest, size = _sha256_of(local)
-            self.root.fs.put_file(str(local), target)
-            return digest, size
-        digest, size = hashlib.sha256(), 0
-        with open(local, "rb") as src, self.root.fs.open(target, "wb") as dst:
-            while chunk := src.read(CHUNK):
-                throttle.take(len(chunk))
-                digest.update(chunk)
-                dst.write(chunk)
-                size += len(chunk)
-        return digest.hexdigest(), size
+        try:
+            with open(local.path, "rb") as src:
+                _check_unchanged(local, os.fstat(src.fileno()))
+                if throttle.unlimited:
+                    digest, size = _sha256_of(src)
+                    self.root.fs.put_file(local.path, target)
+                else:
+                    digest, size = _stream(src, self.root.fs, target, throttle)
+            _check_unchanged(local, os.stat(local.path))
+        except FileNotFoundError as e:
+            raise CheckpointChanged(f"{local.rel} vanished during the upload") from e
+        return ManifestFile(path=local.rel, size=size, sha256=digest)
 
-    def is_uploaded(self, project: str, job_id: str, rank: int, name: str) -> bool:
-        return self.root.exists(manifest_path(project, job_id, rank, name))
+    def _remove_files(self, manifest: Manifest) -> None:
+        """Delete a replaced version's files (best effort: a leftover is never read)."""
+        if manifest.version is not None:
+            self._remove_dir(manifest.files_dir)
+            return
+        for f in manifest.files:
+            with contextlib.suppress(OSError):
+                self.root.fs.rm_file(self.root.path(f"{manifest.files_dir}/{f.path}"))
+
+    def _remove_dir(self, rel: str) -> None:
+        with contextlib.suppress(OSError):
+            self.root.fs.rm(self.root.path(rel), recursive=True)
 
     # --- reading -----------------------------------------------------------------------------
 
+    def manifest(self, project: str, job_id: str, rank: int, name: str) -> Manifest | None:
+        """The committed manifest of one checkpoint, or None."""
+        try:
+            data = self.root.read_bytes(manifest_path(project, job_id, rank, name))
+        except FileNotFoundError:
+            return None
+        return Manifest.model_validate(json.loads(data))
+
     def list(self, project: str | None = None, job_id: str | None = None) -> list[Manifest]:
-        """Complete checkpoints, oldest first."""
+        """Committed checkpoints, complete or not, oldest first."""
         projects = [project] if project else self.root.list_names("checkpoints")
         found: list[Manifest] = []
         for p in projects:
@@ -200,15 +274,33 @@ class CheckpointStore:
         dest: Path,
         progress: Callable[[int], None] | None = None,
     ) -> Path:
-        """Fetch one checkpoint into `dest` (created), checking every file's sha256."""
-        base = files_dir(manifest.project, manifest.job_id, manifest.node_rank, manifest.name)
+        """Fetch one checkpoint into `dest` (created), checking every file's sha256.
+
+        A version replaced while it is read (its files removed) is read again as the new one.
+        """
+        for _ in range(3):
+            try:
+                return self._download(manifest, dest, progress)
+            except FileNotFoundError:
+                current = self.manifest(
+                    manifest.project, manifest.job_id, manifest.node_rank, manifest.name
+                )
+                if current is None or current.version == manifest.version:
+                    raise
+                manifest = current
+        return self._download(manifest, dest, progress)
+
+    def _download(
+        self, manifest: Manifest, dest: Path, progress: Callable[[int], None] | None
+    ) -> Path:
         dest.mkdir(parents=True, exist_ok=True)
-        for f in manifest.files:
+
+        def fetch(f: ManifestFile) -> None:
             target = dest / f.path
             target.parent.mkdir(parents=True, exist_ok=True)
             digest = hashlib.sha256()
             with (
-                self.root.fs.open(self.root.path(f"{base}/{f.path}"), "rb") as src,
+                self.root.fs.open(self.root.path(f"{manifest.files_dir}/{f.path}"), "rb") as src,
                 open(target, "wb") as dst,
             ):
                 while chunk := src.read(CHUNK):
@@ -218,24 +310,56 @@ class CheckpointStore:
                         progress(len(chunk))
             if digest.hexdigest() != f.sha256:
                 raise OSError(f"{manifest.key}/{f.path} does not match its manifest checksum")
+
+        _each(fetch, manifest.files, DOWNLOAD_CONCURRENCY)
         return dest
 
 
-def _sha256_of(path: Path) -> tuple[str, int]:
+def _each(work: Callable[[_T], _R], items: Sequence[_T], concurrency: int) -> list[_R]:
+    """`work` on every item, `concurrency` at a time, results in order; the first failure
+    cancels what has not started and is raised."""
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = [pool.submit(work, item) for item in items]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def _check_unchanged(local: LocalFile, st: os.stat_result) -> None:
+    if (st.st_size, st.st_mtime_ns, st.st_ino) != local.stamp:
+        raise CheckpointChanged(f"{local.rel} changed during the upload")
+
+
+def _stream(
+    src: BinaryIO, fs: AbstractFileSystem, target: str, throttle: _Throttle
+) -> tuple[str, int]:
     digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
+    with fs.open(target, "wb") as dst:
+        while chunk := src.read(CHUNK):
+            throttle.take(len(chunk))
             digest.update(chunk)
+            dst.write(chunk)
             size += len(chunk)
     return digest.hexdigest(), size
 
 
-def _checkpoint_type(local_dir: Path) -> tuple[str, int | None]:
-    adapter = local_dir / "adapter_config.json"
-    if not adapter.is_file():
+def _sha256_of(src: BinaryIO) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    while chunk := src.read(CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def _checkpoint_type(seen: Snapshot) -> tuple[str, int | None]:
+    adapter = next((f for f in seen.files if f.rel == "adapter_config.json"), None)
+    if adapter is None:
         return "full", None
     try:
-        rank = json.loads(adapter.read_text()).get("r")
+        rank = json.loads(Path(adapter.path).read_text()).get("r")
     except (OSError, ValueError):
         rank = None
     return "lora", rank if isinstance(rank, int) else None

@@ -65,13 +65,74 @@ class NodeInfo(_Record):
     working_dir: str | None = None
 
 
+class CheckpointEntry(_Record):
+    """What became of one name found in a rank's `$BT_CHECKPOINT_DIR`."""
+
+    rank: int
+    name: str
+    # uploaded | incomplete (stored, marked so) | failed | pending (the flush deadline passed)
+    # | deleted (by the job, before it was stored) | earlier_job | ignored (not a checkpoint)
+    state: str
+    reason: str | None = None
+    files: int = 0
+    size_bytes: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"rank-{self.rank}/{self.name}"
+
+
+NOT_STORED = ("failed", "pending")
+
+
 class CheckpointSummary(_Record):
     """Whether every checkpoint reached the storage root when the job ended."""
 
-    uploaded: list[str] = Field(default_factory=list)  # "rank-0/checkpoint-100"
+    uploaded: list[str] = Field(default_factory=list)  # "rank-0/checkpoint-100", stored whole
+    incomplete: dict[str, str] = Field(default_factory=dict)  # stored, marked incomplete: why
     pending: list[str] = Field(default_factory=list)
     failed: dict[str, str] = Field(default_factory=dict)
-    all_uploaded: bool = True
+    all_uploaded: bool = True  # nothing failed or pending
+    entries: list[CheckpointEntry] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, entries: list[CheckpointEntry], unreachable: dict[str, str]) -> CheckpointSummary:
+        """`unreachable`: ranks whose uploader did not answer the flush, with why."""
+        by = {state: [e for e in entries if e.state == state] for state in _STATES}
+        failed = {e.key: e.reason or "" for e in by["failed"]} | unreachable
+        return cls(
+            uploaded=[e.key for e in by["uploaded"]],
+            incomplete={e.key: e.reason or "" for e in by["incomplete"]},
+            pending=[e.key for e in by["pending"]],
+            failed=failed,
+            all_uploaded=not by["pending"] and not failed,
+            entries=entries,
+        )
+
+    def describe(self) -> str:
+        """`3 stored`, `2 of 3 stored`, `3 stored (1 incomplete)`: for tables."""
+        stored = len(self.uploaded) + len(self.incomplete)
+        total = stored + len(self.pending) + len(self.failed)
+        text = f"{stored} of {total} stored" if total > stored else f"{stored} stored"
+        return text + (f" ({len(self.incomplete)} incomplete)" if self.incomplete else "")
+
+    @property
+    def sync_status(self) -> str:
+        """One word, as Baseten's checkpoint_sync_status: synced, incomplete or not_synced."""
+        if not self.all_uploaded:
+            return "not_synced"
+        return "incomplete" if self.incomplete else "synced"
+
+    def problems(self) -> list[str]:
+        """One line per checkpoint that is not stored whole, with why."""
+        return [
+            f"{e.key}: {e.state}" + (f": {e.reason}" if e.reason else "")
+            for e in self.entries
+            if e.state in (*NOT_STORED, "incomplete", "deleted")
+        ] + [f"{rank}: failed: {why}" for rank, why in self.failed.items() if "/" not in rank]
+
+
+_STATES = ("uploaded", "incomplete", "failed", "pending", "deleted", "earlier_job", "ignored")
 
 
 class NodeDelivery(_Record):
