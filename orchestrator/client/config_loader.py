@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
+from typing import Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
@@ -17,6 +20,9 @@ from orchestrator.client.truss_compat import baseten_imports, from_truss_project
 from orchestrator.errors import ConfigError
 from orchestrator.spec.training import TrainingProject
 from orchestrator.spec.validation import describe_validation_error
+
+LOAD_TIMEOUT_ENV = "ORCHESTRATOR_CONFIG_LOAD_TIMEOUT_S"
+DEFAULT_LOAD_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,7 @@ def _execute(config_path: Path) -> ModuleType:
         # Compile from source: a cached .pyc could be stale when a script rewrites the config
         # within the same second (a sweep), and the user must get what the file says now.
         code = compile(config_path.read_bytes(), str(config_path), "exec")
-        with baseten_imports():
-            exec(code, module.__dict__)
+        _run(code, module.__dict__, config_path)
     except ConfigError:
         raise
     except ValidationError as e:
@@ -81,7 +86,13 @@ def _execute(config_path: Path) -> ModuleType:
             f"{config_path.name}{_where(e, config_path)}: invalid {e.title}",
             describe_validation_error(e, _model_named(e.title)),
         ) from None
-    except (Exception, SystemExit) as e:
+    except (_ExitCalled, SystemExit) as e:
+        how = f"os._exit({e.args[0]})" if isinstance(e, _ExitCalled) else f"sys.exit({e.code!r})"
+        raise ConfigError(
+            f"{config_path.name}{_where(e, config_path)} called {how} while loading: a config "
+            "defines a TrainingProject and returns; it must not end the process"
+        ) from None
+    except Exception as e:
         raise ConfigError(
             f"{config_path.name}{_where(e, config_path)} raised {type(e).__name__}: {e}"
         ) from e
@@ -92,6 +103,56 @@ def _execute(config_path: Path) -> ModuleType:
             if mod_name == name or _lives_in(sys.modules[mod_name], config_dir):
                 del sys.modules[mod_name]
     return module
+
+
+class _ExitCalled(BaseException):
+    """os._exit, called by a config while it loads: refused, or the process ends in silence."""
+
+
+def load_timeout() -> float:
+    raw = os.environ.get(LOAD_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_LOAD_TIMEOUT_S
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"{LOAD_TIMEOUT_ENV} must be a number of seconds above 0 (got {raw!r})")
+    return value
+
+
+def _run(code: CodeType, namespace: dict[str, Any], config_path: Path) -> None:
+    """Run a config's code in a thread of its own, within the load time limit, with os._exit
+    raising instead of ending the process."""
+    timeout = load_timeout()
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            with baseten_imports():
+                exec(code, namespace)
+        except BaseException as e:
+            outcome.append(e)
+        else:
+            outcome.append(None)
+
+    def refuse_exit(status: int = 0) -> NoReturn:
+        raise _ExitCalled(status)
+
+    real_exit = os._exit
+    os._exit = refuse_exit
+    try:
+        thread = threading.Thread(target=run, name=f"load {config_path.name}", daemon=True)
+        thread.start()
+        thread.join(timeout)
+    finally:
+        os._exit = real_exit
+    if not outcome:
+        raise ConfigError(
+            f"{config_path} did not finish loading in {timeout:g} s ({LOAD_TIMEOUT_ENV}): a "
+            "config defines a TrainingProject and returns; long work belongs in start_commands"
+        )
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def _lives_in(module: ModuleType, directory: str) -> bool:

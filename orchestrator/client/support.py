@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from orchestrator.errors import UnsupportedFeatureError
+from orchestrator.errors import ConfigError, UnsupportedFeatureError
 from orchestrator.spec.training import AvailabilityModel, InteractiveSessionTrigger, TrainingJob
 from orchestrator.spec.weights import WeightsAuthMethod
 
@@ -22,8 +23,41 @@ class SupportReport:
             )
 
 
+# Counts beyond any cluster these jobs run on: a typo (node_count=80 for 8) is refused before
+# anything is submitted, rather than waiting the scheduling timeout out. (variable, default)
+MAX_NODE_COUNT = ("ORCHESTRATOR_MAX_NODE_COUNT", 256)
+MAX_CPU_COUNT = ("ORCHESTRATOR_MAX_CPU_COUNT", 1024)
+MAX_GPUS_PER_NODE = ("ORCHESTRATOR_MAX_GPUS_PER_NODE", 16)
+
+
+def limit(setting: tuple[str, int]) -> int:
+    """A limit's value: its variable, else the default; a bad value is a ConfigError."""
+    var, default = setting
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"{var} must be a whole number of at least 1 (got {raw!r})")
+    return int(raw)
+
+
+def _over_limits(job: TrainingJob) -> list[str]:
+    compute = job.compute
+    checks = (
+        ("compute.node_count", compute.node_count, MAX_NODE_COUNT, "nodes"),
+        ("compute.cpu_count", compute.cpu_count, MAX_CPU_COUNT, "CPUs per node"),
+        ("compute.accelerator.count", compute.gpus_per_node, MAX_GPUS_PER_NODE, "GPUs per node"),
+    )
+    return [
+        f"{field}: {value} {what} is more than any cluster here has (at most "
+        f"{limit(setting)}; {setting[0]} raises the limit)"
+        for field, value, setting, what in checks
+        if value > limit(setting)
+    ]
+
+
 def check_support(job: TrainingJob) -> SupportReport:
-    errors: list[str] = []
+    errors: list[str] = _over_limits(job)
     notices: list[str] = []
     session = job.interactive_session
     if session is not None:

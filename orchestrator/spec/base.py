@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import posixpath
 import re
 from typing import Annotated, Any, TypeVar
 
@@ -90,3 +91,33 @@ def check_absolute(value: str) -> str:
 
 
 AbsolutePath = Annotated[str, AfterValidator(check_absolute)]
+
+# A job's directories on a node are created, written into, emptied or linked by orchestrator.
+# In the node's system trees, or as a top-level directory everything on the node shares, that
+# would harm the node.
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
+                "/run", "/sbin", "/sys", "/usr")  # fmt: skip
+SHARED_DIRECTORIES = ("/", "/home", "/media", "/mnt", "/opt", "/root", "/srv", "/tmp", "/var",
+                      "/var/lib", "/var/tmp")  # fmt: skip
+
+
+def check_job_directory(value: str) -> str:
+    """An absolute path a job may own on a node: not a system directory, not `/tmp` itself."""
+    check_absolute(value)
+    path = "/" + posixpath.normpath(value).lstrip("/")
+    if path in SHARED_DIRECTORIES:
+        where = "the root directory" if path == "/" else f"{path} itself"
+        raise ValueError(
+            f"{value!r} is {where}, which everything on the node shares: use a directory of "
+            "the job's own below it, such as /tmp/checkpoints or /mnt/data"
+        )
+    tree = next((t for t in SYSTEM_TREES if path == t or path.startswith(f"{t}/")), None)
+    if tree is not None:
+        raise ValueError(
+            f"{value!r} is in {tree}, a system directory of the node: use a directory of the "
+            "job's own, such as /tmp/checkpoints or /mnt/data"
+        )
+    return value
+
+
+JobDirectory = Annotated[str, AfterValidator(check_job_directory)]

@@ -6,7 +6,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from orchestrator.spec.base import AbsolutePath, SafeName, StrictModel
+from orchestrator.spec.base import JobDirectory, SafeName, StrictModel
 
 # Baseten's default. On a shared node it would mix jobs, so orchestrator makes it job-private.
 DEFAULT_DOWNLOAD_FOLDER = "/tmp/loaded_checkpoints"
@@ -16,7 +16,7 @@ class CheckpointingConfig(StrictModel):
     """`enabled` gives every node `$BT_CHECKPOINT_DIR`, uploaded in the background."""
 
     enabled: StrictBool = False
-    checkpoint_path: AbsolutePath | None = None
+    checkpoint_path: JobDirectory | None = None
     volume_size_gib: StrictInt | None = Field(default=None, gt=0)
 
 
@@ -85,7 +85,7 @@ class LoadCheckpointConfig(StrictModel):
     checkpoints: list[CheckpointReference] = Field(
         default_factory=lambda: [_BasetenLatestCheckpoint()]
     )
-    download_folder: AbsolutePath = DEFAULT_DOWNLOAD_FOLDER
+    download_folder: JobDirectory = DEFAULT_DOWNLOAD_FOLDER
 
     @model_validator(mode="after")
     def _some_checkpoint(self) -> LoadCheckpointConfig:

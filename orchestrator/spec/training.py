@@ -23,7 +23,7 @@ from pydantic import (
 
 from orchestrator.spec.accelerators import AcceleratorSpec
 from orchestrator.spec.base import (
-    AbsolutePath,
+    JobDirectory,
     MemoryQuantity,
     SafeName,
     StrictModel,
@@ -37,6 +37,16 @@ from orchestrator.spec.weights import WeightsSource
 from orchestrator.spec.workspace import Workspace
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# What orchestrator gives every job (docs/configuration.md): a job setting one itself would
+# mislead its own code about its ids, directories or place in the group.
+JOB_VARIABLES = frozenset({
+    "BT_TRAINING_JOB_ID", "BT_TRAINING_JOB_NAME", "BT_TRAINING_PROJECT_ID",
+    "BT_TRAINING_PROJECT_NAME", "BT_NUM_GPUS", "BT_WORKING_DIR", "BT_SCRATCH_DIR",
+    "BT_RETRY_COUNT", "BT_CHECKPOINT_DIR", "BT_LOAD_CHECKPOINT_DIR", "BT_GROUP_SIZE",
+    "BT_NODE_RANK", "BT_LEADER_ADDR", "BT_RW_CACHE_DIR", "BT_PROJECT_CACHE_DIR",
+    "BT_TEAM_CACHE_DIR",
+})  # fmt: skip
 
 
 class AvailabilityModel(str, enum.Enum):
@@ -80,7 +90,7 @@ class CacheConfig(StrictModel):
     enabled: StrictBool = False
     enable_legacy_hf_mount: StrictBool = False
     require_cache_affinity: StrictBool = True
-    mount_base_path: AbsolutePath = DEFAULT_MOUNT_BASE_PATH
+    mount_base_path: JobDirectory = DEFAULT_MOUNT_BASE_PATH
 
 
 def _check_env_value(value: Any) -> Any:
@@ -128,6 +138,12 @@ class Runtime(StrictModel):
             raise ValueError(
                 f"{', '.join(map(repr, bad))}: environment variable names are letters, digits "
                 "and '_', not starting with a digit"
+            )
+        taken = sorted(name for name in value if name in JOB_VARIABLES)
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)}: orchestrator gives every job this variable (docs/"
+                "configuration.md lists them); setting it would mislead the job: use another name"
             )
         return value
 

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, StrictStr, field_validator, model_validator
 
-from orchestrator.spec.base import StrictModel
+from orchestrator.spec.base import StrictModel, check_job_directory
 from orchestrator.spec.secrets import SecretName
 
 SUPPORTED_SCHEMES = ("hf", "s3", "gs", "r2", "azure", "https")
@@ -130,7 +130,7 @@ class WeightsSource(StrictModel):
             raise ValueError(f"{value!r} must be an absolute path such as /app/models/llama")
         if ".." in value.split("/") or not value.strip("/"):
             raise ValueError(f"{value!r} must be a directory below / without '..'")
-        return value
+        return check_job_directory(value)
 
     @model_validator(mode="after")
     def _one_secret_name(self) -> WeightsSource:
