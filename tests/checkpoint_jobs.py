@@ -21,7 +21,9 @@ from conftest import make_job
 from typer.testing import CliRunner
 
 from orchestrator.cli.app import app
+from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
+from orchestrator.lifecycle import JobState
 from orchestrator.storage.checkpoints import CheckpointStore
 from orchestrator.storage.root import StorageRoot
 
@@ -125,6 +127,33 @@ class Observer:
         self._stop.set()
         self._thread.join(timeout=10)
         self._look()
+
+
+def run_writer(
+    tmp_path: Path, root_url: str, project: str, script: str, **kw: object
+) -> tuple[JobHandle, Observer]:
+    """Push a writer job, watch the storage root while it runs, and check it completed."""
+    job = push(writer_job(tmp_path / "job", project, script, **kw), storage_root=root_url)
+    observer = Observer(root_url, job.project, job.id)
+    try:
+        state = job.wait(timeout=120)
+    finally:
+        observer.stop()
+    assert state == JobState.COMPLETED, "\n".join(job.logs()[-30:])
+    return job, observer
+
+
+def uploaded_while_running(job: JobHandle, root_url: str, name: str) -> Observer:
+    """Wait until `name` is listed, check the job was still running then, and let it end."""
+    observer = Observer(root_url, job.project, job.id)
+    deadline = time.monotonic() + 60
+    while name not in observer.first_seen:
+        assert time.monotonic() < deadline, job.logs()
+        time.sleep(0.1)
+    assert job.status() == JobState.RUNNING, f"{name} must be uploaded while the job runs"
+    assert job.wait(timeout=60) == JobState.COMPLETED
+    observer.stop()
+    return observer
 
 
 def wrote(job: JobHandle) -> dict[str, list[dict[str, str]]]:

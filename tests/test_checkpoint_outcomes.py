@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from checkpoint_jobs import Observer, check_stored, s3_root, stored_bytes_contain, writer_job
+from checkpoint_jobs import check_stored, run_writer, s3_root, stored_bytes_contain, writer_job
 from typer.testing import CliRunner
 
 from orchestrator.cli.app import app
@@ -110,10 +110,7 @@ wrote("checkpoint-0")
 
 
 def test_a_checkpoint_copied_in_with_old_file_times_is_this_jobs(tmp_path, root_url):
-    job = push(writer_job(tmp_path / "job", "copied", COPIED_IN), storage_root=root_url)
-    observer = Observer(root_url, job.project, job.id)
-    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
-    observer.stop()
+    job, observer = run_writer(tmp_path, root_url, "copied", COPIED_IN)
     check_stored(job, observer, ["checkpoint-0"], tmp_path)
 
 
@@ -134,10 +131,7 @@ wrote("checkpoint-1")
 
 
 def test_a_link_at_the_top_of_the_checkpoint_directory_is_not_followed(tmp_path, root_url):
-    job = push(writer_job(tmp_path / "job", "top-link", TOP_LEVEL_LINK), storage_root=root_url)
-    observer = Observer(root_url, job.project, job.id)
-    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
-    observer.stop()
+    job, observer = run_writer(tmp_path, root_url, "top-link", TOP_LEVEL_LINK)
     check_stored(job, observer, ["checkpoint-1"], tmp_path)
     said = [line for line in job.logs() if "ignoring latest" in line]
     assert len(said) == 1 and "symbolic link" in said[0]
@@ -161,10 +155,7 @@ for tmp, final in (("tmp-checkpoint-5", "checkpoint-5"),            # transforme
 
 
 def test_writers_temporary_directories_are_not_checkpoints(tmp_path, root_url):
-    job = push(writer_job(tmp_path / "job", "tmp-names", TEMPORARY_NAMES), storage_root=root_url)
-    observer = Observer(root_url, job.project, job.id)
-    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
-    observer.stop()
+    job, observer = run_writer(tmp_path, root_url, "tmp-names", TEMPORARY_NAMES)
     check_stored(job, observer, ["checkpoint-5", "state"], tmp_path)
     assert sorted(observer.seen) == ["checkpoint-5", "state"], "no temporary name was listed"
 

@@ -8,13 +8,17 @@ The settle time is the default 0.5 s unless a test says otherwise; pauses are lo
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from checkpoint_jobs import Observer, check_stored, s3_root, stored_bytes_contain, writer_job
+from checkpoint_jobs import (
+    check_stored,
+    run_writer,
+    s3_root,
+    stored_bytes_contain,
+    uploaded_while_running,
+    writer_job,
+)
 
 from orchestrator.client.api import push
-from orchestrator.lifecycle import JobState
 from orchestrator.storage.root import StorageRoot
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -23,17 +27,6 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 @pytest.fixture(params=["local", "s3"])
 def root_url(request, storage_root: str) -> str:
     return storage_root if request.param == "local" else s3_root()
-
-
-def run(tmp_path, root_url: str, project: str, script: str, **kw) -> tuple:
-    job = push(writer_job(tmp_path / "job", project, script, **kw), storage_root=root_url)
-    observer = Observer(root_url, job.project, job.id)
-    try:
-        state = job.wait(timeout=120)
-    finally:
-        observer.stop()
-    assert state == JobState.COMPLETED, "\n".join(job.logs()[-30:])
-    return job, observer
 
 
 def entry_states(job) -> dict[str, str]:
@@ -63,7 +56,7 @@ for step in (10, 20):
 
 
 def test_hugging_face_trainer_style_checkpoints(tmp_path, root_url):
-    job, observer = run(tmp_path, root_url, "hf-like", HUGGING_FACE_LIKE)
+    job, observer = run_writer(tmp_path, root_url, "hf-like", HUGGING_FACE_LIKE)
     check_stored(job, observer, ["checkpoint-10", "checkpoint-20"], tmp_path)
     assert job.details().checkpoints.sync_status == "synced"
 
@@ -91,7 +84,7 @@ for name in sorted(os.listdir(ROOT)):
 
 def test_the_real_hugging_face_trainer_with_rotation(tmp_path, storage_root):
     """transformers' own Trainer, saving every 2 steps and keeping the last 2 locally."""
-    job, observer = run(tmp_path, storage_root, "hf-trainer", REAL_TRAINER)
+    job, observer = run_writer(tmp_path, storage_root, "hf-trainer", REAL_TRAINER)
     check_stored(job, observer, ["checkpoint-4", "checkpoint-6"], tmp_path)
     # checkpoint-2 was rotated away: stored whole before that, or reported deleted; never partial
     states = entry_states(job)
@@ -128,7 +121,7 @@ time.sleep(1)
 
 
 def test_torch_distributed_checkpoint(tmp_path, root_url):
-    job, observer = run(tmp_path, root_url, "dcp", TORCH_DCP)
+    job, observer = run_writer(tmp_path, root_url, "dcp", TORCH_DCP)
     check_stored(job, observer, ["step-100", "step-200"], tmp_path)
 
 
@@ -151,14 +144,7 @@ def test_a_rename_into_place_is_the_commit(tmp_path, root_url, monkeypatch):
     """With a settle time far longer than the job, only the rename can start the upload."""
     monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "60")
     job = push(writer_job(tmp_path / "job", "renamed", RENAMED_INTO_PLACE), storage_root=root_url)
-    observer = Observer(root_url, job.project, job.id)
-    deadline = time.monotonic() + 60
-    while "checkpoint-1" not in observer.first_seen:
-        assert time.monotonic() < deadline, job.logs()
-        time.sleep(0.1)
-    assert job.status() == JobState.RUNNING, "uploaded at once, while the job still runs"
-    assert job.wait(timeout=60) == JobState.COMPLETED
-    observer.stop()
+    observer = uploaded_while_running(job, root_url, "checkpoint-1")
     check_stored(job, observer, ["checkpoint-1"], tmp_path)
     assert any("checkpoint-1 uploaded (renamed into place)" in line for line in job.logs())
 
@@ -176,7 +162,7 @@ wrote("checkpoint-1")
 
 
 def test_a_file_that_grows_in_chunks_with_long_pauses(tmp_path, root_url):
-    job, observer = run(tmp_path, root_url, "chunked", CHUNKED)
+    job, observer = run_writer(tmp_path, root_url, "chunked", CHUNKED)
     check_stored(job, observer, ["checkpoint-1"], tmp_path)
 
 
@@ -201,7 +187,7 @@ time.sleep(1.5)
 
 
 def test_a_checkpoint_rewritten_in_place_replaces_the_stored_one(tmp_path, root_url):
-    job, observer = run(tmp_path, root_url, "rewritten", REWRITTEN)
+    job, observer = run_writer(tmp_path, root_url, "rewritten", REWRITTEN)
     check_stored(job, observer, ["checkpoint-1"], tmp_path)
     assert len(observer.seen["checkpoint-1"]) == 2, "the first version, then the second"
     (manifest,) = job.checkpoints()
@@ -227,7 +213,7 @@ wrote("checkpoint-many")
 
 
 def test_nested_directories_and_thousands_of_small_files(tmp_path, root_url):
-    job, observer = run(tmp_path, root_url, "many-files", NESTED_AND_MANY)
+    job, observer = run_writer(tmp_path, root_url, "many-files", NESTED_AND_MANY)
     check_stored(job, observer, ["checkpoint-many"], tmp_path)
     (manifest,) = job.checkpoints()
     assert len(manifest.files) == 2000
@@ -252,7 +238,7 @@ wrote("checkpoint-1", skip=("key.pem",))
 
 
 def test_links_inside_a_checkpoint(tmp_path, root_url):
-    job, observer = run(tmp_path, root_url, "links", SYMLINKS)
+    job, observer = run_writer(tmp_path, root_url, "links", SYMLINKS)
     check_stored(job, observer, ["checkpoint-1"], tmp_path)
     logs = "\n".join(job.logs())
     assert "skipped link key.pem: it points outside the checkpoint" in logs
@@ -277,14 +263,7 @@ time.sleep(8)
 def test_the_completion_marker_starts_the_upload_at_once(tmp_path, root_url, monkeypatch):
     monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "60")
     job = push(writer_job(tmp_path / "job", "marked", MARKED), storage_root=root_url)
-    observer = Observer(root_url, job.project, job.id)
-    deadline = time.monotonic() + 60
-    while "checkpoint-1" not in observer.first_seen:
-        assert time.monotonic() < deadline, job.logs()
-        time.sleep(0.1)
-    assert job.status() == JobState.RUNNING, "uploaded at once, while the job still runs"
-    assert job.wait(timeout=60) == JobState.COMPLETED
-    observer.stop()
+    observer = uploaded_while_running(job, root_url, "checkpoint-1")
     check_stored(job, observer, ["checkpoint-1"], tmp_path)
     assert any("checkpoint-1 uploaded (marked complete)" in line for line in job.logs())
 
@@ -307,7 +286,9 @@ def test_a_reused_checkpoint_path(tmp_path, root_url):
     reused = tmp_path / "shared-checkpoints"
     (reused / "checkpoint-50").mkdir(parents=True)
     (reused / "checkpoint-50" / "weights.bin").write_bytes(b"an earlier job's")
-    job, observer = run(tmp_path, root_url, "reused", REUSED_PATH, checkpoint_path=str(reused))
+    job, observer = run_writer(
+        tmp_path, root_url, "reused", REUSED_PATH, checkpoint_path=str(reused)
+    )
     check_stored(job, observer, ["checkpoint-51"], tmp_path)
     assert [m.name for m in job.checkpoints()] == ["checkpoint-51"]
     said = [line for line in job.logs() if "skipping checkpoint-50" in line]

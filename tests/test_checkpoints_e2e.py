@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import make_job
+from checkpoint_jobs import writer_job
 
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
@@ -20,22 +20,6 @@ from orchestrator.storage.root import StorageRoot
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 MNIST = Path(__file__).resolve().parents[1] / "recipes" / "mnist-pytorch"
-
-CONFIG = """
-from orchestrator import definitions as d
-project = d.TrainingProject(
-    name="{project}",
-    job=d.TrainingJob(
-        image=d.Image(base_image="python:3.11"),
-        compute=d.Compute(memory="512Mi"),
-        runtime=d.Runtime(
-            start_commands=["python job.py"],
-            checkpointing_config=d.CheckpointingConfig(enabled=True),
-            load_checkpoint_config={load},
-        ),
-    ),
-)
-"""
 
 WRITER = """
 import os, pathlib, time
@@ -52,10 +36,6 @@ save("checkpoint-2", "second")
 """
 
 
-def checkpoint_job(directory: Path, project: str, script: str, load: str = "None") -> Path:
-    return make_job(directory, CONFIG.format(project=project, load=load), {"job.py": script})
-
-
 def names(job: JobHandle) -> list[str]:
     store = CheckpointStore(StorageRoot(job.record.storage_root))
     return [m.name for m in store.list(job.project, job.id)]
@@ -69,7 +49,7 @@ def test_checkpoints_upload_while_running_and_flush_at_the_end(tmp_path, storage
         bucket = f"ckpt-{uuid.uuid4().hex[:8]}"
         s3fs.S3FileSystem().mkdir(bucket)
         storage_root = f"s3://{bucket}/orchestrator"
-    job = push(checkpoint_job(tmp_path / "job", "ckpt-writer", WRITER), storage_root=storage_root)
+    job = push(writer_job(tmp_path / "job", "ckpt-writer", WRITER), storage_root=storage_root)
     deadline = time.monotonic() + 60
     while names(job) != ["checkpoint-1"]:
         assert time.monotonic() < deadline, job.logs()
@@ -108,7 +88,7 @@ def test_a_stopped_job_flushes_its_checkpoints(tmp_path, storage_root, monkeypat
     """A stop gives the whole command its grace: a trainer saving on SIGTERM finishes, and
     the flush stores what it left; what had not settled is stored marked incomplete."""
     monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "3600")  # only the flush uploads
-    job = push(checkpoint_job(tmp_path / "job", "ckpt-stop", SAVES_ON_SIGTERM),
+    job = push(writer_job(tmp_path / "job", "ckpt-stop", SAVES_ON_SIGTERM),
                storage_root=storage_root)  # fmt: skip
     deadline = time.monotonic() + 60
     while not any(line.endswith("saved checkpoint-1") for line in job.logs()):
@@ -135,14 +115,14 @@ for path in sorted(root.rglob("weights.txt")):
 
 def test_a_later_job_loads_the_latest_checkpoint_of_a_project(tmp_path, storage_root, monkeypatch):
     monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "0")
-    first = push(checkpoint_job(tmp_path / "a", "ckpt-source", WRITER.replace('"6"', '"0"')),
+    first = push(writer_job(tmp_path / "a", "ckpt-source", WRITER.replace('"6"', '"0"')),
                  storage_root=storage_root)  # fmt: skip
     assert first.wait(timeout=120) == JobState.COMPLETED
     load = (
         "d.LoadCheckpointConfig(enabled=True, checkpoints=["
         "d.BasetenCheckpoint.from_latest_checkpoint(project_name='ckpt-source')])"
     )
-    second = push(checkpoint_job(tmp_path / "b", "ckpt-reader", READER, load),
+    second = push(writer_job(tmp_path / "b", "ckpt-reader", READER, load=load),
                   storage_root=storage_root)  # fmt: skip
     assert second.wait(timeout=120) == JobState.COMPLETED, second.logs()
     assert any(
@@ -153,7 +133,7 @@ def test_a_later_job_loads_the_latest_checkpoint_of_a_project(tmp_path, storage_
         "d.LoadCheckpointConfig(enabled=True, checkpoints=["
         f"d.BasetenCheckpoint.from_named_checkpoint('checkpoint-1', job_id='{first.id}')])"
     )
-    third = push(checkpoint_job(tmp_path / "c", "ckpt-reader", READER, named),
+    third = push(writer_job(tmp_path / "c", "ckpt-reader", READER, load=named),
                  storage_root=storage_root)  # fmt: skip
     assert third.wait(timeout=120) == JobState.COMPLETED, third.logs()
     loaded = [line for line in third.logs() if "loaded " in line]
@@ -165,7 +145,7 @@ def test_a_reference_that_matches_nothing_fails_the_deploy(tmp_path, storage_roo
         "d.LoadCheckpointConfig(enabled=True, checkpoints=["
         "d.BasetenCheckpoint.from_latest_checkpoint(project_name='never-trained')])"
     )
-    job = push(checkpoint_job(tmp_path / "job", "ckpt-reader", READER, load),
+    job = push(writer_job(tmp_path / "job", "ckpt-reader", READER, load=load),
                storage_root=storage_root)  # fmt: skip
     assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
     cause = job.details().failure.cause
@@ -228,7 +208,7 @@ TorchTrainer(
 
 
 def test_ray_train_reports_land_in_the_checkpoint_layout(tmp_path, storage_root):
-    job = push(checkpoint_job(tmp_path / "job", "ray-train", RAY_TRAIN), storage_root=storage_root)
+    job = push(writer_job(tmp_path / "job", "ray-train", RAY_TRAIN), storage_root=storage_root)
     assert job.wait(timeout=240) == JobState.COMPLETED, "\n".join(job.logs()[-30:])
     manifests = job.checkpoints()
     assert len(manifests) == 2 and all(m.name.startswith("checkpoint_") for m in manifests)

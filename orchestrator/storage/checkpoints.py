@@ -16,10 +16,9 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO
 
 from fsspec import AbstractFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -27,12 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from orchestrator.envflags import env_flag
 from orchestrator.errors import ConfigError
 from orchestrator.storage.local_checkpoint import LocalFile, Snapshot, snapshot
+from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.root import StorageRoot
 
 CHUNK = 8 * 1024 * 1024
 DOWNLOAD_CONCURRENCY = 8
-_T = TypeVar("_T")
-_R = TypeVar("_R")
 
 
 class ManifestFile(BaseModel):
@@ -174,8 +172,12 @@ class CheckpointStore:
         base = files_dir(project, job_id, rank, name, version)
         throttle = _Throttle(settings.bandwidth_mbps)
         kind, lora_rank = _checkpoint_type(seen)
+
+        def send(local: LocalFile) -> ManifestFile:
+            return self._send(local, f"{base}/{local.rel}", throttle)
+
         try:
-            files = self._send_all(seen.files, base, throttle, settings.concurrency)
+            files = parallel_map(send, seen.files, settings.concurrency)
         except BaseException:
             self._remove_dir(base)
             raise
@@ -200,11 +202,6 @@ class CheckpointStore:
     def _commit(self, manifest: Manifest) -> None:
         path = manifest_path(manifest.project, manifest.job_id, manifest.node_rank, manifest.name)
         self.root.write_bytes(path, manifest.model_dump_json().encode())
-
-    def _send_all(
-        self, files: tuple[LocalFile, ...], base: str, throttle: _Throttle, concurrency: int
-    ) -> list[ManifestFile]:
-        return _each(lambda f: self._send(f, f"{base}/{f.rel}", throttle), files, concurrency)
 
     def _send(self, local: LocalFile, rel: str, throttle: _Throttle) -> ManifestFile:
         """Upload one file and return its entry, if it is still the file the snapshot saw.
@@ -311,21 +308,8 @@ class CheckpointStore:
             if digest.hexdigest() != f.sha256:
                 raise OSError(f"{manifest.key}/{f.path} does not match its manifest checksum")
 
-        _each(fetch, manifest.files, DOWNLOAD_CONCURRENCY)
+        parallel_map(fetch, manifest.files, DOWNLOAD_CONCURRENCY)
         return dest
-
-
-def _each(work: Callable[[_T], _R], items: Sequence[_T], concurrency: int) -> list[_R]:
-    """`work` on every item, `concurrency` at a time, results in order; the first failure
-    cancels what has not started and is raised."""
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(work, item) for item in items]
-        try:
-            return [future.result() for future in futures]
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
 
 
 def _check_unchanged(local: LocalFile, st: os.stat_result) -> None:
