@@ -29,6 +29,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -56,21 +57,34 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+UPLOADED = re.compile(r"checkpoint (\S+) uploaded.* in ([\d.]+) s$")
+
+
+def _upload_times(events: list[str]) -> dict[str, float]:
+    """name -> seconds its (last) upload took, from the uploader's event lines."""
+    return {m[1]: float(m[2]) for e in events if (m := UPLOADED.search(e))}
+
+
 def run_uploader(conn: Connection, storage_root: str, local_dir: str, settings: dict) -> None:
     """The node's uploader, as on a cluster: its own process, told only when to flush."""
     from orchestrator.agents.checkpoint_uploader import CheckpointUploader
 
-    uploader = CheckpointUploader(PROJECT, JOB_ID, RANK, storage_root, local_dir, settings)
+    uploader = CheckpointUploader(
+        PROJECT, JOB_ID, RANK, storage_root, local_dir, settings, None, {}
+    )
+    uploader.ready()
     conn.send("ready")
     while conn.recv() != "flush":
-        conn.send(dict(uploader.uploaded))  # 'uploaded': name -> seconds its upload took
+        conn.send(_upload_times(uploader.events))
     start = time.monotonic()
-    result = uploader.flush()
+    result = uploader.flush(clean=True)
+    entries = result["entries"]
     conn.send(
         {
-            **result,
             "flush_s": time.monotonic() - start,
-            "uploaded_s": uploader.uploaded,
+            "uploaded_s": _upload_times(result["events"]),
+            "pending": [e.name for e in entries if e.state == "pending"],
+            "failed": {e.name: e.reason for e in entries if e.state == "failed"},
             "cpu_s": _cpu_s(),
         }
     )
@@ -263,7 +277,7 @@ def async_run(args: argparse.Namespace, layout: Layout, ckpt_dir: Path, fs: Any)
         raw_s = raw_put(fs, hidden, k) if raw_first else 0.0
         renamed = time.time()
         os.rename(hidden, ckpt_dir / name)
-        while not store.is_uploaded(PROJECT, JOB_ID, RANK, name):
+        while store.manifest(PROJECT, JOB_ID, RANK, name) is None:
             _give_up_after(renamed, f"{name}'s manifest", clock=time.time)
             time.sleep(PROBE_POLL_S)
         seen_s = time.time() - renamed

@@ -59,7 +59,10 @@ project = d.TrainingProject(
     job=d.TrainingJob(
         image=d.Image(base_image="python:3.11"),
         compute=d.Compute(cpu_count=1, memory="512Mi"),
-        runtime=d.Runtime(start_commands=[{command!r}]),
+        runtime=d.Runtime(
+            start_commands=[{command!r}],
+            checkpointing_config=d.CheckpointingConfig(enabled={checkpointing}),
+        ),
     ),
 )
 """
@@ -142,7 +145,9 @@ def wait_for_line(read: Callable[[], str], poll: float, what: str) -> tuple[floa
 class Bench:
     """The three paths on one cluster, sharing one job directory and one storage root."""
 
-    def __init__(self, info: LocalClusterInfo, work: Path, poll: float, hold: float) -> None:
+    def __init__(
+        self, info: LocalClusterInfo, work: Path, poll: float, hold: float, checkpointing: bool
+    ) -> None:
         from ray.job_submission import JobSubmissionClient
 
         self.client = JobSubmissionClient(info.dashboard_url)
@@ -154,7 +159,7 @@ class Bench:
         self.command = f"python first_line.py{args}"
         self.abs_command = f"python {self.job_dir / 'first_line.py'}{args}"
         self.config = self.job_dir / "config.py"
-        self.config.write_text(CONFIG.format(command=self.command))
+        self.config.write_text(CONFIG.format(command=self.command, checkpointing=checkpointing))
         self.storage_root = str(work / "storage")
 
     def run(self, path: str) -> Sample:
@@ -316,6 +321,11 @@ def main() -> int:
         "--probes", type=int, default=3, help="controller start-up replays per variant"
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp dirs")
+    parser.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="the pushed job enables checkpointing (its uploader watches before the command)",
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-first-line-"))
@@ -331,7 +341,7 @@ def main() -> int:
         started = time.monotonic()
         info = cluster.start()
         print(f"local cluster {info.dashboard_url} up in {time.monotonic() - started:.1f} s")
-        bench = Bench(info, work, args.poll, args.hold)
+        bench = Bench(info, work, args.poll, args.hold, args.checkpointing)
         for path in PATHS:
             s = bench.run(path)
             print(f"warm-up {path:<18} {s.latency:6.3f} s")
