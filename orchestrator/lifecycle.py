@@ -23,6 +23,9 @@ class JobState(str, enum.Enum):
 # A job whose commands all exited 0 but whose checkpoints were not all stored ends COMPLETED
 # with this exit code (the controller's, and `orchestrator push --tail`'s): not a plain success.
 CHECKPOINTS_NOT_STORED_EXIT = 3
+# A job whose commands all exited 0 but whose final status or logs could not be stored (the
+# storage root refused them, or stayed unreachable): what could not is in its Ray job log.
+OUTCOME_NOT_STORED_EXIT = 4
 
 TERMINAL_STATES = frozenset(
     {JobState.COMPLETED, JobState.FAILED, JobState.DEPLOY_FAILED, JobState.STOPPED}

@@ -52,23 +52,60 @@ def orchestrator_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
         os.environ[ORCHESTRATOR_HOME_ENV] = old
 
 
+class S3Server:
+    """The session's moto server. It can go away and come back on its port, as an endpoint does
+    in an outage; moto keeps its buckets in this process across the restart."""
+
+    def __init__(self) -> None:
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+        self._server.start()
+        host, self.port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{self.port}"
+        self.is_up = True
+
+    def down(self) -> None:
+        if self.is_up:
+            self._server.stop()
+            self.is_up = False
+
+    def up(self) -> None:
+        if not self.is_up:
+            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port)
+            self._server.start()
+            self.is_up = True
+
+
+_S3: list[S3Server] = []
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """A real S3 server (moto) on loopback; s3fs finds it through AWS_ENDPOINT_URL.
 
     Started before the Ray cluster, so jobs' controllers and agents inherit the variables.
     """
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    server = S3Server()
+    _S3.append(server)
     os.environ.update(
-        AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing"
+        AWS_ENDPOINT_URL=server.endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
     )
     try:
-        yield endpoint
+        yield server.endpoint
     finally:
-        server.stop()
+        server.down()
+        _S3.remove(server)
+
+
+@pytest.fixture
+def s3_outage(s3_server: str) -> Iterator[S3Server]:
+    """The session's S3 server, to take down in a test: it is always up again afterwards."""
+    server = _S3[0]
+    try:
+        yield server
+    finally:
+        server.up()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ import pytest
 from orchestrator import definitions as d
 from orchestrator.lifecycle import IllegalTransition, JobState
 from orchestrator.storage.job_store import JobNotFound, JobStore
-from orchestrator.storage.logs import LogWriter, read_logs
+from orchestrator.storage.journal import JobJournal
+from orchestrator.storage.logs import read_logs
 from orchestrator.storage.records import ArchiveRef, JobRecord, JobStatus
 
 
@@ -54,30 +55,41 @@ def test_a_job_id_is_created_once(root):
         store.create(record("j1", 2.0), JobStatus.new("j1"))
 
 
-def test_logs_are_segments_read_in_order_and_resumable(root):
-    writer = LogWriter(root, "j1", interval=60)
-    writer.write(["one", "two"])  # the first write flushes at once
-    writer.write(["three"])  # buffered until the next flush
+def test_logs_are_segments_read_in_order_and_resumable(root, tmp_path):
+    journal = JobJournal(root, "j1", tmp_path / "spill", print, interval=60)
+    journal.lines(["one", "two"])  # the first lines after a quiet spell go at once
+    assert journal.wait_stored(10)
+    journal.lines(["three"])  # waits for the next write
     assert read_logs(root, "j1") == (["one", "two"], 0)
-    writer.close()
+    assert journal.close(timeout=10) == []
     lines, cursor = read_logs(root, "j1")
     assert lines == ["one", "two", "three"]
     assert read_logs(root, "j1", cursor) == ([], cursor)
-    later = LogWriter(root, "j1")  # a restarted writer continues the numbering
-    later.write(["four"])
-    later.close()
+    later = JobJournal(root, "j1", tmp_path / "spill", print)  # continues the numbering
+    later.lines(["four"])
+    later.close(timeout=10)
     assert read_logs(root, "j1", cursor)[0] == ["four"]
 
 
-def test_a_line_followed_by_silence_is_flushed_in_the_background(root):
-    writer = LogWriter(root, "j1", interval=0.1)
-    writer.write(["first"])
-    writer.write(["second"])
+def test_a_line_followed_by_silence_is_stored_in_the_background(root, tmp_path):
+    journal = JobJournal(root, "j1", tmp_path / "spill", print, interval=0.1)
+    journal.lines(["first"])
+    journal.lines(["second"])
     deadline = time.monotonic() + 10
     while read_logs(root, "j1")[0] != ["first", "second"]:
         assert time.monotonic() < deadline, read_logs(root, "j1")
         time.sleep(0.05)
-    writer.close()
+    journal.close(timeout=10)
+
+
+def test_a_status_is_stored_after_the_lines_before_it(root, tmp_path):
+    journal = JobJournal(root, "j1", tmp_path / "spill", print, interval=60)
+    journal.lines(["deploying the nodes"])
+    journal.status(JobStatus.new("j1").moved_to(JobState.DEPLOYING))
+    assert journal.wait_stored(10)
+    assert read_logs(root, "j1")[0] == ["deploying the nodes"]
+    assert JobStore(root).status("j1").state == JobState.DEPLOYING
+    journal.close(timeout=10)
 
 
 def test_status_transitions_follow_the_state_machine():

@@ -32,6 +32,7 @@ from orchestrator.storage.checkpoints import (
 )
 from orchestrator.storage.local_checkpoint import Snapshot, snapshot
 from orchestrator.storage.records import CheckpointEntry
+from orchestrator.storage.retry import StorageRetry, describe, is_transient
 from orchestrator.storage.root import StorageRoot
 
 SCAN_S = 0.1
@@ -65,6 +66,7 @@ class _Tracked:
     looked_up: bool = False  # asked the storage root for a manifest (a restarted uploader)
     failed: str | None = None
     failed_at: float = 0.0
+    failed_said: str | None = None  # the kind of failure last said: each kind is said once
     gone: str | None = None  # deleted locally before it was stored: why it is not
     said: set[str] = field(default_factory=set)
 
@@ -80,12 +82,16 @@ class CheckpointUploader:
         settings: dict[str, Any],
         volume_size_gib: int | None = None,
         earlier: dict[str, str] | None = None,
+        outage_s: float | None = None,
     ) -> None:
         """`local_dir`: checkpoint_path, or None for the rank's own directory on this node.
         `earlier`: name -> fingerprint of what it held when the job started; None: what the
-        node agent writes while it prepares (started with the agent, this waits for that)."""
+        node agent writes while it prepares (started with the agent, this waits for that).
+        `outage_s`: how long uploads ride out an unreachable storage root (the job's setting)."""
         self.project, self.job_id, self.rank = project, job_id, rank
-        self.store = CheckpointStore(StorageRoot(storage_root))
+        self.events: list[str] = []
+        retry = StorageRetry(storage_root, outage_s, say=self._event)
+        self.store = CheckpointStore(StorageRoot(storage_root, retry))
         self.job_dir = job_node_dir(job_id, rank)
         self.local_dir = Path(local_dir) if local_dir else self.job_dir / "checkpoints"
         self.settings = UploadSettings.model_validate(settings)
@@ -94,7 +100,7 @@ class CheckpointUploader:
         self.tracked: dict[str, _Tracked] = {}
         self.ignored: dict[str, EntryKind] = {}  # present now, not checkpoints
         self._said_earlier: set[str] = set()
-        self.events: list[str] = []
+        self._scan_error: str | None = None
         self.over_volume: str | None = None
         self._warned = False
         # (clean, wall time, how) once the rank's commands have ended: nothing settles after.
@@ -134,9 +140,10 @@ class CheckpointUploader:
         """Upload everything still local (the commands have ended) within `timeout` seconds;
         what became of every name found, and the events."""
         self.writer_ended(clean, how)
+        deadline = time.monotonic() + (timeout or self.settings.flush_timeout_s)
+        self.store.root.retry.give_up_at = deadline  # an upload waiting out an outage, too
         self._stop.set()
         self._thread.join(timeout=5)
-        deadline = time.monotonic() + (timeout or self.settings.flush_timeout_s)
         if self._started.is_set():  # else the job never got as far as its commands
             self._scan(final=True, deadline=deadline)
         if self._renames is not None:
@@ -156,8 +163,11 @@ class CheckpointUploader:
         while not self._stop.wait(SCAN_S):
             try:
                 self._scan(final=False)
+                self._scan_error = None
             except Exception as e:  # keep watching; the final flush reports what is left
-                self._event(f"checkpoint scan failed: {type(e).__name__}: {e}")
+                if describe(e) != self._scan_error:  # each new error once, not every scan
+                    self._scan_error = describe(e)
+                    self._event(f"checkpoint scan failed: {self._scan_error}")
 
     def _scan(self, final: bool, deadline: float | None = None) -> None:
         with self._lock:
@@ -286,10 +296,16 @@ class CheckpointUploader:
             self._abandoned(name, t, str(e))
             return
         except Exception as e:
-            t.failed, t.failed_at = f"{type(e).__name__}: {e}", time.monotonic()
-            self._event(f"checkpoint {name} upload failed: {t.failed}")
+            t.failed, t.failed_at = describe(e), time.monotonic()
+            kind = "transient" if is_transient(e) else type(e).__name__
+            if kind != t.failed_said:  # an error that repeats is said once
+                t.failed_said = kind
+                self._event(
+                    f"checkpoint {name} could not be uploaded ({t.failed}): it stays on the "
+                    f"node and is tried again every {RETRY_S:g} s and when the job ends"
+                )
             return
-        t.stored, t.failed = manifest, None
+        t.stored, t.failed, t.failed_said = manifest, None, None
         took = time.monotonic() - start
         how = (
             f"stored as INCOMPLETE: {incomplete}"

@@ -19,6 +19,7 @@ from orchestrator.lifecycle import JobState
 from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus
+from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.root import StorageRoot
 
 REMOTE_PYTHON_ENV = "ORCHESTRATOR_PYTHON"
@@ -47,6 +48,7 @@ def store_job(
     colocate_ranks: bool = False,
     embedded: bool = False,
     upload_settings: UploadSettings | None = None,
+    storage_settings: StorageSettings | None = None,
 ) -> JobRecord:
     """Upload the code archive (skipped if the same bytes are stored) and write the record."""
     store = JobStore(root)
@@ -74,6 +76,7 @@ def store_job(
         colocate_ranks=colocate_ranks,
         embedded_cluster=embedded,
         checkpoint_upload=upload_settings or UploadSettings.from_env(),
+        storage=storage_settings or StorageSettings.from_env(),
         notices=list(prepared.warnings),
     )
     store.create(record, JobStatus.new(job_id, "submitted"))
@@ -114,11 +117,13 @@ def submit(
 ) -> JobRecord:
     """Store the job, then submit its Ray job (submission id = job id)."""
     check_storage_reachable(connection, root)
-    upload_settings = UploadSettings.from_env()  # a bad value is refused before anything exists
+    # A bad value is refused before anything exists.
+    upload_settings, storage_settings = UploadSettings.from_env(), StorageSettings.from_env()
     job_id = new_job_id()
     record = store_job(
         prepared, root, job_id, connection.address, colocate_ranks=colocate_ranks,
         embedded=connection.embedded, upload_settings=upload_settings,
+        storage_settings=storage_settings,
     )  # fmt: skip
     image = prepared.project.job.image.base_image
     try:

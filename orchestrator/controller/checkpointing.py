@@ -141,6 +141,7 @@ class Uploaders:
                 checkpointing.checkpoint_path,
                 settings,
                 checkpointing.volume_size_gib,
+                outage_s=record.storage.outage_s,
             )
             for rank in range(group_size)
         ]

@@ -1,7 +1,9 @@
 """Drives one job through its states: reserve nodes, prepare them, run, record how it ended.
 
 Runs as the entrypoint of the job's Ray job. Every transition is written to the storage root
-before the next step starts, so a reader (or a later controller) always sees the truth.
+before the next step starts, so a reader (or a later controller) always sees the truth; while
+the storage root is unreachable the job goes on and its journal stores lines and states, in
+order, once it is back (storage/journal.py).
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ from orchestrator.controller.training_cache import (
 )
 from orchestrator.controller.weights import WeightsUnavailable, mirror_weights, record_deliveries
 from orchestrator.envflags import env_flag
-from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, JobState
+from orchestrator.home import orchestrator_home
+from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, OUTCOME_NOT_STORED_EXIT, JobState
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.job_store import JobStore
-from orchestrator.storage.logs import LogWriter
+from orchestrator.storage.journal import JobJournal, spill_dir
 from orchestrator.storage.records import (
     CacheStatus,
     Failure,
@@ -52,6 +55,7 @@ from orchestrator.storage.records import (
     NodeInfo,
     WeightsStatus,
 )
+from orchestrator.storage.retry import ON_ERROR_ENV, StorageRetry
 
 IMAGE_URI_ENV = "ORCHESTRATOR_USE_IMAGE_URI"
 POLL_S = 0.2
@@ -60,10 +64,16 @@ CACHE_AFFINITY_WAIT_S = 3.0
 WRITE_BACK_S = 600.0
 STOP_FLUSH_S = 40.0  # within the 60 s RAY_JOB_STOP_WAIT_TIME_S, after the commands' grace
 RESULT_WAIT_S = 5.0  # for a stopped rank's result to come through its stream
+STORED_WAIT_S = 10.0  # a transition waits this long to be stored (not at all in an outage)
+STOPPED_CLOSE_S = 5.0  # what a stopped job's journal has left of Ray's stop grace
 
 
 class JobStopped(Exception):
     """A stop was requested (SIGTERM from `ray job stop` / `orchestrator stop`)."""
+
+
+class StorageLost(Exception):
+    """The job's logs and status cannot be stored and ORCHESTRATOR_ON_STORAGE_ERROR=stop."""
 
 
 class DeployFailed(Exception):
@@ -86,7 +96,13 @@ class JobController:
         self.record: JobRecord = store.record(job_id)
         self.status: JobStatus = store.status(job_id)
         self.scheduling_timeout_s = scheduling_timeout_s
-        self.logs = LogWriter(store.root, job_id)
+        self.journal = JobJournal(
+            store.root, job_id, spill_dir(orchestrator_home(), job_id), self.say
+        )
+        # From here on, an outage is said once in the job's lines, with the job's budget.
+        outage_s = self.record.storage.outage_s
+        store.root.retry = StorageRetry(store.root.url, outage_s, say=self.say)
+        self.unstored: list[str] = []  # what could not be stored when the job ended
         self.stop_requested = threading.Event()
         self.pg: PlacementGroup | None = None
         self.agents: list[Any] = []
@@ -103,19 +119,21 @@ class JobController:
         status = self.status.moved_to(state, reason).model_copy(update=updates)
         # Lines first: a reader that sees the new state has every line written before it.
         self.say(f"{state.value}" + (f": {reason}" if reason else ""))
-        self.logs.flush()
         self.status = status
-        self.store.put_status(status)
+        self.journal.status(status)
+        self.journal.wait_stored(STORED_WAIT_S)
 
     def say(self, message: str) -> None:
         """A controller line, in the Ray job log and the stored logs."""
         line = f"[orchestrator {time.strftime('%H:%M:%S')}] {message}"
         print(line, flush=True)
-        self.logs.write([line])
+        self.journal.lines([line])
 
     def _check_stop(self) -> None:
         if self.stop_requested.is_set():
             raise JobStopped()
+        if self.journal.problem and self.record.storage.on_error == "stop":
+            raise StorageLost(self.journal.problem)
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -134,6 +152,13 @@ class JobController:
         except JobStopped:
             self._stop_agents()
             self._finish(JobState.STOPPED, "stopped by user")
+        except StorageLost as e:
+            self._stop_agents()
+            cause = (
+                f"stopped: the storage root {self.store.root.url} does not take the job's "
+                f"logs and status ({e}), and {ON_ERROR_ENV}=stop"
+            )
+            self._finish(JobState.FAILED, cause, failure=Failure(cause=cause))
         except DeployFailed as e:
             self.move(JobState.DEPLOY_FAILED, e.failure.cause, failure=e.failure)
         except Exception as e:  # a bug or an infrastructure failure: record it, never hang
@@ -146,8 +171,18 @@ class JobController:
             self.move(state, failure.cause, failure=failure)
         finally:
             self._release()
-            self.logs.close()
+            self._close_journal()
         return self.status.state
+
+    def _close_journal(self) -> None:
+        """Store what waits; a stopped job has only what is left of Ray's stop grace."""
+        stopped = self.status.state == JobState.STOPPED
+        self.unstored = self.journal.close(
+            STOPPED_CLOSE_S if stopped else self.record.storage.outage_s
+        )
+        if self.unstored:
+            line = f"could not be stored in {self.store.root.url}: " + "; ".join(self.unstored)
+            print(f"[orchestrator {time.strftime('%H:%M:%S')}] {line}", flush=True)
 
     def _image_notice(self) -> str:
         image = self.record.spec.job.image.base_image
@@ -179,7 +214,7 @@ class JobController:
 
     def _publish_weights(self, statuses: list[WeightsStatus]) -> None:
         self.status = self.status.model_copy(update={"weights": statuses})
-        self.store.put_status(self.status)
+        self.journal.status(self.status)
 
     def _reserve(self) -> None:
         compute = self.record.spec.job.compute
@@ -352,8 +387,7 @@ class JobController:
             threading.Thread(target=self._consume, args=(stream, result), daemon=True).start()
         over_volume = None
         while not all(r.done.is_set() for r in results):
-            if self.stop_requested.is_set():
-                raise JobStopped()
+            self._check_stop()
             failed = next((r for r in results if r.done.is_set() and _failed(r)), None)
             if failed is not None:
                 break  # gang failure: one rank's failure ends the job
@@ -363,7 +397,6 @@ class JobController:
                 if over_volume:
                     break
             time.sleep(POLL_S)
-        self.logs.flush()
         failed = next((r for r in results if r.done.is_set() and _failed(r)), None)
         if failed is None and over_volume is None:
             self._finish(JobState.COMPLETED, "all commands exited 0")
@@ -381,7 +414,10 @@ class JobController:
             timeout = STOP_FLUSH_S if state == JobState.STOPPED else None
             for result in self.results:  # stopped or ended: each result follows its exit closely
                 result.done.wait(RESULT_WAIT_S)
-            endings = [_ending(r, state) for r in self.results]
+            endings = [_ending(r, state) for r in self.results] or [
+                RankEnding(rank, clean=False, how="the job ended before its commands ran")
+                for rank in range(len(self.uploaders.actors))
+            ]
             events, summary = self.uploaders.flush(endings, timeout)
             self._say_lines(events)
             for problem in summary.problems():  # nothing quiet: each one, with why
@@ -425,7 +461,7 @@ class JobController:
     def _say_lines(self, lines: list[str]) -> None:
         if lines:
             print("\n".join(lines), flush=True)
-            self.logs.write(lines)
+            self.journal.lines(lines)
 
     def _consume(self, stream: Any, result: _RankResult) -> None:
         try:
@@ -434,7 +470,7 @@ class JobController:
                 if kind == "lines":
                     sys.stdout.write("".join(line + "\n" for line in payload))
                     sys.stdout.flush()
-                    self.logs.write(payload)
+                    self.journal.lines(payload)
                 else:
                     result.result = payload
         except Exception as e:
@@ -528,6 +564,8 @@ def run_controller(job_id: str, storage_root: str, scheduling_timeout_s: float) 
     final = controller.run()
     if final != JobState.COMPLETED:
         return 1
+    if controller.unstored:
+        return OUTCOME_NOT_STORED_EXIT
     summary = controller.status.checkpoints
     # The commands succeeded but not every checkpoint was stored: not a plain success in Ray's
     # eyes either (the dashboard shows the job FAILED with this code, `ray job submit` exits 1).

@@ -204,15 +204,19 @@ class CheckpointStore:
         self.root.write_bytes(path, manifest.model_dump_json().encode())
 
     def _send(self, local: LocalFile, rel: str, throttle: _Throttle) -> ManifestFile:
-        """Upload one file and return its entry, if it is still the file the snapshot saw.
-
-        Without a bandwidth cap: hash it from the local disk, then let fsspec's `put_file` send
-        it (s3fs sends a large file's parts concurrently). With a cap: stream it through the
-        throttle, hashing on the way. Its size, mtime and inode are checked before and after.
-        """
+        """Upload one file and return its entry, if it is still the file the snapshot saw;
+        tried again through an outage (storage/retry.py)."""
         target = self.root.path(rel)
         if self.root.is_local:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
+        return self.root.retry.call(self._send_once, local, target, throttle)
+
+    def _send_once(self, local: LocalFile, target: str, throttle: _Throttle) -> ManifestFile:
+        """Without a bandwidth cap: hash the file from the local disk, then let fsspec's
+        `put_file` send it (s3fs sends a large file's parts concurrently). With a cap: stream it
+        through the throttle, hashing on the way. Its size, mtime and inode are checked before
+        and after; only the local file vanishing is CheckpointChanged (a missing bucket is not).
+        """
         try:
             with open(local.path, "rb") as src:
                 _check_unchanged(local, os.fstat(src.fileno()))
@@ -223,6 +227,8 @@ class CheckpointStore:
                     digest, size = _stream(src, self.root.fs, target, throttle)
             _check_unchanged(local, os.stat(local.path))
         except FileNotFoundError as e:
+            if os.path.exists(local.path):
+                raise  # the storage root's: its bucket is gone
             raise CheckpointChanged(f"{local.rel} vanished during the upload") from e
         return ManifestFile(path=local.rel, size=size, sha256=digest)
 
@@ -232,11 +238,11 @@ class CheckpointStore:
             self._remove_dir(manifest.files_dir)
             return
         for f in manifest.files:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(Exception):
                 self.root.fs.rm_file(self.root.path(f"{manifest.files_dir}/{f.path}"))
 
     def _remove_dir(self, rel: str) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(Exception):  # an outage included: never hides what went wrong
             self.root.fs.rm(self.root.path(rel), recursive=True)
 
     # --- reading -----------------------------------------------------------------------------
@@ -293,23 +299,31 @@ class CheckpointStore:
         dest.mkdir(parents=True, exist_ok=True)
 
         def fetch(f: ManifestFile) -> None:
-            target = dest / f.path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            digest = hashlib.sha256()
-            with (
-                self.root.fs.open(self.root.path(f"{manifest.files_dir}/{f.path}"), "rb") as src,
-                open(target, "wb") as dst,
-            ):
-                while chunk := src.read(CHUNK):
-                    digest.update(chunk)
-                    dst.write(chunk)
-                    if progress:
-                        progress(len(chunk))
-            if digest.hexdigest() != f.sha256:
-                raise OSError(f"{manifest.key}/{f.path} does not match its manifest checksum")
+            self.root.retry.call(self._fetch, manifest, f, dest / f.path, progress)
 
         parallel_map(fetch, manifest.files, DOWNLOAD_CONCURRENCY)
         return dest
+
+    def _fetch(
+        self,
+        manifest: Manifest,
+        f: ManifestFile,
+        target: Path,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256()
+        with (
+            self.root.fs.open(self.root.path(f"{manifest.files_dir}/{f.path}"), "rb") as src,
+            open(target, "wb") as dst,
+        ):
+            while chunk := src.read(CHUNK):
+                digest.update(chunk)
+                dst.write(chunk)
+                if progress:
+                    progress(len(chunk))
+        if digest.hexdigest() != f.sha256:
+            raise OSError(f"{manifest.key}/{f.path} does not match its manifest checksum")
 
 
 def _check_unchanged(local: LocalFile, st: os.stat_result) -> None:

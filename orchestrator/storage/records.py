@@ -9,6 +9,7 @@ from pydantic import Field
 from orchestrator.lifecycle import JobState, check_transition
 from orchestrator.spec.training import TrainingProject
 from orchestrator.storage.checkpoints import UploadSettings
+from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.stored import Stored
 
 _Record = Stored
@@ -38,6 +39,7 @@ class JobRecord(_Record):
     submitted_via: str = "push"  # push | ray-job-submit
     colocate_ranks: bool = False  # all ranks on one node (a development machine)
     checkpoint_upload: UploadSettings = Field(default_factory=UploadSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)  # riding out outages
     notices: list[str] = Field(default_factory=list)
 
 

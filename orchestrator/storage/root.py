@@ -1,4 +1,8 @@
-"""A storage root: any fsspec URL (a local directory, s3://bucket/prefix, gs://bucket/prefix)."""
+"""A storage root: any fsspec URL (a local directory, s3://bucket/prefix, gs://bucket/prefix).
+
+Its calls ride out outages (storage/retry.py): a transient error is tried again until the root's
+`retry` budget is spent; a permanent one is raised at once.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from orchestrator.home import orchestrator_home
+from orchestrator.storage.retry import StorageRetry
 
 STORAGE_ROOT_ENV = "ORCHESTRATOR_STORAGE_ROOT"
 # gcsfs's experimental hierarchical-namespace probing hangs for 60 s against GCS emulators; it
@@ -37,7 +42,7 @@ def _storage_options(url: str) -> dict[str, Any]:
 class StorageRoot:
     """Paths relative to the root; writes are all-or-nothing for readers."""
 
-    def __init__(self, url: str | os.PathLike[str]) -> None:
+    def __init__(self, url: str | os.PathLike[str], retry: StorageRetry | None = None) -> None:
         url = os.fspath(url)
         if "://" not in url or url.startswith("file://"):
             url = str(Path(url.removeprefix("file://")).expanduser().resolve())
@@ -45,6 +50,7 @@ class StorageRoot:
         self.fs, self._base = fsspec.core.url_to_fs(self.url, **_storage_options(self.url))
         self._base = self._base.rstrip("/")
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.retry = retry or StorageRetry(self.url)
 
     def __repr__(self) -> str:
         return f"StorageRoot({self.url!r})"
@@ -53,6 +59,9 @@ class StorageRoot:
         return f"{self._base}/{rel.lstrip('/')}"
 
     def write_bytes(self, rel: str, data: bytes) -> None:
+        self.retry.call(self._write_bytes, rel, data)
+
+    def _write_bytes(self, rel: str, data: bytes) -> None:
         target = self.path(rel)
         if self.is_local:  # object stores' puts are atomic already; a local file needs a rename
             Path(target).parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +73,7 @@ class StorageRoot:
             self.fs.pipe_file(target, data)
 
     def read_bytes(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
+        return self.retry.call(self.fs.cat_file, self.path(rel))
 
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
@@ -73,17 +82,20 @@ class StorageRoot:
         return json.loads(self.read_bytes(rel))
 
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
+        return self.retry.call(self.fs.exists, self.path(rel))
 
     def list_names(self, rel: str) -> list[str]:
         """Names directly under `rel` (files and directories); empty if it does not exist."""
         try:
-            entries = self.fs.ls(self.path(rel), detail=False, refresh=True)
+            entries = self.retry.call(self.fs.ls, self.path(rel), detail=False, refresh=True)
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def put_file(self, local: Path, rel: str) -> None:
+        self.retry.call(self._put_file, local, rel)
+
+    def _put_file(self, local: Path, rel: str) -> None:
         target = self.path(rel)
         if self.is_local:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
@@ -95,4 +107,4 @@ class StorageRoot:
 
     def get_file(self, rel: str, local: Path) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)
-        self.fs.get_file(self.path(rel), str(local))
+        self.retry.call(self.fs.get_file, self.path(rel), str(local))
