@@ -11,6 +11,7 @@ once, for the caller to report once with what it affects. docs/architecture.md#s
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import random
 import sys
@@ -76,7 +77,10 @@ class StorageUnavailable(OrchestratorError):
     """The storage root stayed unreachable past the outage budget (or a caller's deadline)."""
 
 
+@functools.cache
 def _transient_types() -> tuple[type[BaseException], ...]:
+    """Looked up at the first error, not at import: botocore and aiohttp take ~0.3 s to import,
+    which a job on a local storage root never needs."""
     types: list[type[BaseException]] = [ConnectionError, TimeoutError]
     try:
         from botocore import exceptions as boto
@@ -99,11 +103,9 @@ def _transient_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
-_TRANSIENT_TYPES = _transient_types()
-
 
 def _is_transient_one(e: BaseException) -> bool:
-    if isinstance(e, _TRANSIENT_TYPES):
+    if isinstance(e, _transient_types()):
         return True
     if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
         return True
