@@ -101,9 +101,9 @@ def test_an_environment_variable_may_not_override_what_the_job_is_given():
                                               "BT_CHECKPOINT_DIR": "/x"}})  # fmt: skip
     problems = refusal(spec)
     assert problems.startswith(
-        "job.runtime.environment_variables: BT_CHECKPOINT_DIR, BT_NODE_RANK: orchestrator gives "
-        "every job this variable"
+        "job.runtime.environment_variables.BT_NODE_RANK: orchestrator gives every job this variable"
     ), problems
+    assert problems.endswith("use another name (so is BT_CHECKPOINT_DIR)"), problems
     accepted(project({"environment_variables": {"BT_MY_OWN": "fine"}}))
 
 

@@ -289,7 +289,7 @@ def test_duplicate_mount_appended_after_construction_is_caught(tmp_path: Path) -
     error = load_error(write_config(tmp_path, body))
 
     assert "invalid" in str(error)
-    assert [p.split(":")[0] for p in error.problems] == ["job.weights"]
+    assert [p.split(":")[0] for p in error.problems] == ["job.weights[1].mount_location"]
     assert "/app/model" in error.problems[0]
 
 

@@ -187,7 +187,7 @@ def test_environment_variable_values_must_be_strings():
 
 def test_environment_variable_names_are_checked():
     line = one_problem(d.Runtime, environment_variables={"1BAD": "x", "GOOD": "y"})
-    assert line.startswith("Runtime.environment_variables: '1BAD'")
+    assert line.startswith("Runtime.environment_variables.1BAD: is not an environment variable")
 
 
 def test_enable_cache_is_migrated_to_cache_config():
@@ -199,7 +199,7 @@ def test_enable_cache_is_migrated_to_cache_config():
 
 def test_enable_cache_and_cache_config_together_is_an_error():
     line = one_problem(d.Runtime, enable_cache=True, cache_config=d.CacheConfig(enabled=True))
-    assert "enable_cache is deprecated" in line and "not both" in line
+    assert line == "Runtime.enable_cache: is deprecated: set cache_config only, not both"
 
 
 def test_paths_must_be_absolute():
@@ -281,9 +281,8 @@ def test_checkpoint_references_from_dicts_are_tagged_by_typ():
 
 
 def test_enabled_load_needs_a_checkpoint():
-    assert "checkpoints is empty" in one_problem(
-        d.LoadCheckpointConfig, enabled=True, checkpoints=[]
-    )
+    line = one_problem(d.LoadCheckpointConfig, enabled=True, checkpoints=[])
+    assert line.startswith("LoadCheckpointConfig.checkpoints: is empty but enabled is true")
 
 
 # --- weights -----------------------------------------------------------------------------------
@@ -340,11 +339,14 @@ def test_duplicate_and_nested_mounts_are_rejected():
         d.WeightsSource(source="hf://a/b", mount_location="/app/model"),
         d.WeightsSource(source="s3://b/p", mount_location="/app/model/"),
     ]
-    assert "weights[0] and weights[1] both mount at /app/model" in one_problem(
-        d.TrainingJob, image=image(), weights=w
+    assert one_problem(d.TrainingJob, image=image(), weights=w) == (
+        "TrainingJob.weights[1].mount_location: weights[0] mounts at /app/model too: "
+        "mount each source at its own directory"
     )
     w[1] = d.WeightsSource(source="s3://b/p", mount_location="/app/model/tokenizer")
-    assert "are nested" in one_problem(d.TrainingJob, image=image(), weights=w)
+    line = one_problem(d.TrainingJob, image=image(), weights=w)
+    assert line.startswith("TrainingJob.weights[1].mount_location: /app/model/tokenizer and")
+    assert "are nested" in line
     w[1] = d.WeightsSource(source="s3://b/p", mount_location="/app/model-2")
     assert len(d.TrainingJob(image=image(), weights=w).weights) == 2
 
@@ -354,15 +356,20 @@ def test_weights_auth_fields_follow_the_method():
     assert auth.auth_method is d.WeightsAuthMethod.CUSTOM_SECRET
     w = d.WeightsSource(source="s3://b/p", mount_location="/m", auth=auth)
     assert w.secret_name == "aws_creds"
-    assert "needs aws_oidc_role_arn, aws_oidc_region" in one_problem(
-        d.WeightsAuth, auth_method="AWS_OIDC"
+    assert one_problem(d.WeightsAuth, auth_method="AWS_OIDC") == (
+        "WeightsAuth.aws_oidc_role_arn: is required with auth_method AWS_OIDC "
+        "(so are aws_oidc_region)"
     )
-    assert "do not belong to auth_method CUSTOM_SECRET" in one_problem(
-        d.WeightsAuth, auth_method="CUSTOM_SECRET", auth_secret_name="s", aws_oidc_region="x"
+    assert (
+        one_problem(
+            d.WeightsAuth, auth_method="CUSTOM_SECRET", auth_secret_name="s", aws_oidc_region="x"
+        )
+        == "WeightsAuth.aws_oidc_region: does not belong to auth_method CUSTOM_SECRET"
     )
-    assert "not both" in one_problem(
+    line = one_problem(
         d.WeightsSource, source="s3://b/p", mount_location="/m", auth=auth, auth_secret_name="s2"
     )
+    assert line.startswith("WeightsSource.auth_secret_name: ") and "not both" in line
 
 
 # --- docker auth -------------------------------------------------------------------------------
@@ -377,8 +384,8 @@ def test_docker_auth_needs_exactly_the_matching_sub_config():
         auth_method=d.DockerAuthType.AWS_IAM, registry="123.dkr.ecr.aws", aws_iam_docker_auth=iam
     )
     assert {r.name for r in auth.secret_references()} == {"ak", "sk"}
-    assert "needs aws_iam_docker_auth" in one_problem(
-        d.DockerAuth, auth_method=d.DockerAuthType.AWS_IAM, registry="r"
+    assert one_problem(d.DockerAuth, auth_method=d.DockerAuthType.AWS_IAM, registry="r") == (
+        "DockerAuth.aws_iam_docker_auth: is required with auth_method AWS_IAM"
     )
     line = one_problem(
         d.DockerAuth,
@@ -389,7 +396,9 @@ def test_docker_auth_needs_exactly_the_matching_sub_config():
             secret_ref=d.SecretReference(name="x")
         ),
     )
-    assert "registry_secret_docker_auth must not be set with auth_method AWS_IAM" in line
+    assert line == (
+        "DockerAuth.registry_secret_docker_auth: must not be set with auth_method AWS_IAM"
+    )
 
 
 def test_job_lists_every_secret_it_names():
@@ -426,9 +435,8 @@ def test_checkpoint_formats_are_set_by_class():
     assert d.FullCheckpoint(training_job_id="j", checkpoint_name="c").model_weight_format == "full"
     lora = d.LoRACheckpoint(training_job_id="j", checkpoint_name="c")
     assert lora.model_weight_format is d.ModelWeightsFormat.LORA and lora.lora_details.rank == 16
-    assert "not both" in one_problem(
-        d.CheckpointList, checkpoints=[lora], loops_checkpoint_ids=["x"]
-    )
+    line = one_problem(d.CheckpointList, checkpoints=[lora], loops_checkpoint_ids=["x"])
+    assert line == "CheckpointList.loops_checkpoint_ids: set checkpoints or this, not both"
 
 
 # --- serialisation -----------------------------------------------------------------------------
@@ -447,3 +455,17 @@ def test_project_round_trips_through_json_with_secrets_as_references():
     assert '"TOKEN":{"name":"tok"}' in text
     assert '"accelerator":{"accelerator":"H100","count":8}' in text
     assert d.TrainingProject.model_validate_json(text) == project
+
+
+def test_errors_found_across_fields_name_the_leaf_field():
+    job = {"image": {"base_image": "x"}}
+    runtime = {"start_commands": ["echo ok", " "], "environment_variables": {"1BAD": "x"}}
+    assert problems(d.TrainingProject, name="p", job={**job, "runtime": runtime}) == [
+        "TrainingProject.job.runtime.start_commands[1]: is empty",
+        "TrainingProject.job.runtime.environment_variables.1BAD: is not an environment "
+        "variable name: letters, digits and '_', not starting with a digit",
+    ]
+    compute = {"accelerator": {"accelerator": "H100", "count": 0}}
+    assert one_problem(d.TrainingProject, name="p", job={**job, "compute": compute}) == (
+        "TrainingProject.job.compute.accelerator.count: must be at least 1 when accelerator is H100"
+    )

@@ -128,8 +128,7 @@ def _run(code: CodeType, namespace: dict[str, Any], config_path: Path) -> None:
 
     def run() -> None:
         try:
-            with baseten_imports():
-                exec(code, namespace)
+            exec(code, namespace)
         except BaseException as e:
             outcome.append(e)
         else:
@@ -141,9 +140,12 @@ def _run(code: CodeType, namespace: dict[str, Any], config_path: Path) -> None:
     real_exit = os._exit
     os._exit = refuse_exit
     try:
-        thread = threading.Thread(target=run, name=f"load {config_path.name}", daemon=True)
-        thread.start()
-        thread.join(timeout)
+        # The shim is this thread's to remove: a config still running past the time limit
+        # must not leave `truss` importable for the rest of the process.
+        with baseten_imports():
+            thread = threading.Thread(target=run, name=f"load {config_path.name}", daemon=True)
+            thread.start()
+            thread.join(timeout)
     finally:
         os._exit = real_exit
     if not outcome:

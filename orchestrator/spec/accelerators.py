@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, StrictInt, model_validator
 
-from orchestrator.spec.base import StrictModel, lenient_enum
+from orchestrator.spec.base import FieldProblem, StrictModel, lenient_enum
 
 
 class Accelerator(str, enum.Enum):
@@ -51,8 +51,8 @@ class AcceleratorSpec(StrictModel):
     @model_validator(mode="after")
     def _count_matches_type(self) -> AcceleratorSpec:
         if self.accelerator is not None and self.count < 1:
-            raise ValueError(
-                f"count must be at least 1 when accelerator is {self.accelerator.value}"
+            raise FieldProblem(
+                ("count",), f"must be at least 1 when accelerator is {self.accelerator.value}"
             )
         return self
 

@@ -18,6 +18,16 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", validate_assignment=True)
 
 
+class FieldProblem(ValueError):
+    """A validator's finding about a field below the one it validates: the error names that
+    leaf. `at` continues the path from where the validator sits, e.g. `(1, "mount_location")`
+    from a validator of `weights`, so the error reads `TrainingJob.weights[1].mount_location`."""
+
+    def __init__(self, at: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.at = at
+
+
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9 ._()+-]{0,126}[A-Za-z0-9_()+-])?$")
 
 

@@ -6,7 +6,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from orchestrator.spec.base import JobDirectory, SafeName, StrictModel
+from orchestrator.spec.base import FieldProblem, JobDirectory, SafeName, StrictModel
 
 # Baseten's default. On a shared node it would mix jobs, so orchestrator makes it job-private.
 DEFAULT_DOWNLOAD_FOLDER = "/tmp/loaded_checkpoints"
@@ -90,5 +90,5 @@ class LoadCheckpointConfig(StrictModel):
     @model_validator(mode="after")
     def _some_checkpoint(self) -> LoadCheckpointConfig:
         if self.enabled and not self.checkpoints:
-            raise ValueError("enabled is true but checkpoints is empty: name at least one")
+            raise FieldProblem(("checkpoints",), "is empty but enabled is true: name at least one")
         return self

@@ -10,7 +10,7 @@ from typing import Literal, Union
 
 from pydantic import Field, StrictInt, StrictStr, field_validator, model_validator
 
-from orchestrator.spec.base import AbsolutePath, SafeName, StrictModel
+from orchestrator.spec.base import AbsolutePath, FieldProblem, SafeName, StrictModel
 from orchestrator.spec.training import Compute, EnvValue
 
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -65,7 +65,7 @@ class CheckpointList(StrictModel):
     @model_validator(mode="after")
     def _one_kind(self) -> CheckpointList:
         if self.checkpoints and self.loops_checkpoint_ids:
-            raise ValueError("set checkpoints or loops_checkpoint_ids, not both")
+            raise FieldProblem(("loops_checkpoint_ids",), "set checkpoints or this, not both")
         return self
 
 

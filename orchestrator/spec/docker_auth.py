@@ -6,7 +6,7 @@ import enum
 
 from pydantic import Field, StrictStr, model_validator
 
-from orchestrator.spec.base import StrictModel, lenient_enum
+from orchestrator.spec.base import FieldProblem, StrictModel, lenient_enum
 from orchestrator.spec.secrets import SecretReference
 
 NonEmpty = Field(min_length=1)
@@ -77,11 +77,11 @@ class DockerAuth(StrictModel):
     def _one_sub_config(self) -> DockerAuth:
         wanted = _SUB_CONFIG[self.auth_method]
         if getattr(self, wanted) is None:
-            raise ValueError(f"auth_method {self.auth_method.value} needs {wanted}")
+            raise FieldProblem((wanted,), f"is required with auth_method {self.auth_method.value}")
         others = [f for f in _SUB_CONFIG.values() if f != wanted and getattr(self, f) is not None]
         if others:
-            raise ValueError(
-                f"{', '.join(others)} must not be set with auth_method {self.auth_method.value}"
+            raise FieldProblem(
+                (others[0],), f"must not be set with auth_method {self.auth_method.value}"
             )
         return self
 

@@ -23,6 +23,7 @@ from pydantic import (
 
 from orchestrator.spec.accelerators import AcceleratorSpec
 from orchestrator.spec.base import (
+    FieldProblem,
     JobDirectory,
     MemoryQuantity,
     SafeName,
@@ -104,6 +105,10 @@ def _check_env_value(value: Any) -> Any:
 EnvValue = Annotated[Union[StrictStr, SecretReference], BeforeValidator(_check_env_value)]  # noqa: UP007
 
 
+def _also(names: list[str]) -> str:
+    return f" (so is {', '.join(names[1:])})" if names[1:] else ""
+
+
 class Runtime(StrictModel):
     """What runs on each node and what it gets to work with."""
 
@@ -121,7 +126,7 @@ class Runtime(StrictModel):
         if not isinstance(data, dict) or data.get("enable_cache") is None:
             return data
         if data.get("cache_config") is not None:
-            raise ValueError("enable_cache is deprecated: set cache_config only, not both")
+            raise FieldProblem(("enable_cache",), "is deprecated: set cache_config only, not both")
         data = dict(data)
         enabled = data.pop("enable_cache")
         if isinstance(enabled, bool):
@@ -135,23 +140,26 @@ class Runtime(StrictModel):
     def _check_env_names(cls, value: dict[str, Any]) -> dict[str, Any]:
         bad = [name for name in value if not _ENV_NAME.fullmatch(name)]
         if bad:
-            raise ValueError(
-                f"{', '.join(map(repr, bad))}: environment variable names are letters, digits "
-                "and '_', not starting with a digit"
+            raise FieldProblem(
+                (bad[0],),
+                "is not an environment variable name: letters, digits and '_', not starting "
+                f"with a digit{_also(bad)}",
             )
-        taken = sorted(name for name in value if name in JOB_VARIABLES)
+        taken = [name for name in value if name in JOB_VARIABLES]
         if taken:
-            raise ValueError(
-                f"{', '.join(taken)}: orchestrator gives every job this variable (docs/"
-                "configuration.md lists them); setting it would mislead the job: use another name"
+            raise FieldProblem(
+                (taken[0],),
+                "orchestrator gives every job this variable (docs/configuration.md lists them); "
+                f"setting it would mislead the job: use another name{_also(taken)}",
             )
         return value
 
     @field_validator("start_commands")
     @classmethod
     def _no_blank_commands(cls, value: list[str]) -> list[str]:
-        if any(not c.strip() for c in value):
-            raise ValueError("a start command is empty")
+        for i, command in enumerate(value):
+            if not command.strip():
+                raise FieldProblem((i,), "is empty")
         return value
 
     def secret_references(self) -> dict[str, SecretReference]:
@@ -208,13 +216,16 @@ class TrainingJob(StrictModel):
         for i, a in enumerate(mounts):
             for j, b in enumerate(mounts[i + 1 :], start=i + 1):
                 if a == b:
-                    raise ValueError(f"weights[{i}] and weights[{j}] both mount at {a}")
+                    raise FieldProblem(
+                        (j, "mount_location"), f"weights[{i}] mounts at {a} too: mount each "
+                        "source at its own directory"
+                    )  # fmt: skip
                 outer, inner = sorted((a, b), key=len)
                 if inner.startswith(outer + "/"):
-                    raise ValueError(
-                        f"mounts {a} (weights[{i}]) and {b} (weights[{j}]) are nested: "
+                    raise FieldProblem(
+                        (j, "mount_location"), f"{b} and weights[{i}]'s {a} are nested: "
                         "mount each source at its own directory"
-                    )
+                    )  # fmt: skip
         return weights
 
     def secret_references(self) -> list[SecretReference]:

@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from orchestrator.spec.base import FieldProblem
+
 _PREFIXES = ("Value error, ", "Assertion failed, ")
 
 
@@ -22,7 +24,10 @@ def describe_validation_error(
     """
     lines: dict[str, list[str]] = {}
     for item in error.errors(include_url=False):
-        path, owner = _clean_path(model, item["loc"]) if model else (_raw_path(item["loc"]), None)
+        loc = item["loc"]
+        if isinstance(found := (item.get("ctx") or {}).get("error"), FieldProblem):
+            loc = (*loc, *found.at)  # the leaf the validator named
+        path, owner = _clean_path(model, loc) if model else (_raw_path(loc), None)
         head = prefix if prefix is not None else (model.__name__ if model else error.title)
         if item["type"] == "extra_forbidden":
             unknown = path.rsplit(".", 1)[-1]

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, StrictStr, field_validator, model_validator
 
-from orchestrator.spec.base import StrictModel, check_job_directory
+from orchestrator.spec.base import FieldProblem, StrictModel, check_job_directory
 from orchestrator.spec.secrets import SecretName
 
 SUPPORTED_SCHEMES = ("hf", "s3", "gs", "r2", "azure", "https")
@@ -63,7 +63,10 @@ class WeightsAuth(StrictModel):
         needed = _AUTH_FIELDS[self.auth_method]
         missing = [f for f in needed if not getattr(self, f)]
         if missing:
-            raise ValueError(f"auth_method {self.auth_method.value} needs {', '.join(missing)}")
+            also = f" (so are {', '.join(missing[1:])})" if missing[1:] else ""
+            raise FieldProblem(
+                (missing[0],), f"is required with auth_method {self.auth_method.value}{also}"
+            )
         foreign = [
             f
             for fields in _AUTH_FIELDS.values()
@@ -71,8 +74,8 @@ class WeightsAuth(StrictModel):
             if f not in needed and getattr(self, f) is not None
         ]
         if foreign:
-            raise ValueError(
-                f"{', '.join(foreign)} do not belong to auth_method {self.auth_method.value}"
+            raise FieldProblem(
+                (foreign[0],), f"does not belong to auth_method {self.auth_method.value}"
             )
         return self
 
@@ -135,7 +138,7 @@ class WeightsSource(StrictModel):
     @model_validator(mode="after")
     def _one_secret_name(self) -> WeightsSource:
         if self.auth_secret_name and self.auth and self.auth.auth_secret_name:
-            raise ValueError("set auth_secret_name or auth.auth_secret_name, not both")
+            raise FieldProblem(("auth_secret_name",), "set this or auth.auth_secret_name, not both")
         return self
 
     @property

@@ -103,7 +103,6 @@ def _transient_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
-
 def _is_transient_one(e: BaseException) -> bool:
     if isinstance(e, _transient_types()):
         return True
