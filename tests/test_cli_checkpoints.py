@@ -6,7 +6,9 @@ through the same `CheckpointStore.upload` the node agents use.
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
+import io
 import json
 import os
 import subprocess
@@ -160,6 +162,24 @@ def test_list_json_has_every_field_and_keeps_stdout_parseable(storage):
     ]
     uploaded = storage.originals[("job-new", 0, "checkpoint-20")]
     assert rows[0]["size_bytes"] == sum(len(b) for b in uploaded.values())
+
+
+def test_list_as_csv_has_the_json_fields_one_row_per_checkpoint(storage):
+    as_json = json.loads(cli("checkpoints", "list", "--storage-root", storage.url, "-o",
+                             "json").stdout)  # fmt: skip
+    result = cli("checkpoints", "list", "--storage-root", storage.url, "-o", "csv")
+    assert result.returncode == 0, result.stderr
+    assert "most recent job, job-new" in result.stderr  # stdout stays a CSV file
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert list(rows[0]) == list(as_json[0])
+    assert [{k: str(v) if v is not None else "" for k, v in r.items()} for r in as_json] == rows
+
+
+def test_urls_on_a_local_root_say_why_there_are_none(storage):
+    result = cli("checkpoints", "urls", "--job-id", "job-new", "--storage-root", storage.url)
+    assert result.returncode == 1
+    assert "is a local directory: it cannot make URLs" in result.stderr
+    assert "orchestrator checkpoints download" in result.stderr
 
 
 @pytest.mark.parametrize(

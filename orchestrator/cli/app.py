@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from orchestrator.cli import (
+    cmd_download,
     cmd_init,
     cmd_logs,
     cmd_push,
@@ -35,6 +36,7 @@ app.command("push")(cmd_push.push)
 app.command("logs")(cmd_logs.logs)
 app.command("view")(cmd_view.view)
 app.command("stop")(cmd_stop.stop)
+app.command("download")(cmd_download.download)
 app.command("run")(cmd_run.run)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(checkpoints_app, name="checkpoints")

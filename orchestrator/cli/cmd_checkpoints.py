@@ -1,10 +1,13 @@
-"""`orchestrator checkpoints list|download`: uploaded checkpoints, read off the storage root."""
+"""`orchestrator checkpoints list|download|urls`: uploaded checkpoints, off the storage root."""
 
 from __future__ import annotations
 
+import csv
 import enum
 import re
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -36,6 +39,12 @@ checkpoints_app = typer.Typer(
 _stderr = Console(stderr=True, highlight=False)
 
 
+class ListFormat(str, enum.Enum):
+    text = "text"
+    json = "json"
+    csv = "csv"
+
+
 class SortKey(str, enum.Enum):
     created = "created"
     size = "size"
@@ -52,7 +61,7 @@ def list_checkpoints(
     storage_root: StorageRootOption = None,
     sort: Annotated[SortKey, typer.Option("--sort")] = SortKey.created,
     order: Annotated[SortOrder, typer.Option("--order")] = SortOrder.asc,
-    output: Annotated[OutputFormat, typer.Option("-o", "--output")] = OutputFormat.text,
+    output: Annotated[ListFormat, typer.Option("-o", "--output")] = ListFormat.text,
 ) -> None:
     """List one job's checkpoints (default: the most recent job's) or a whole project's."""
     if project and not job_id:
@@ -62,12 +71,17 @@ def list_checkpoints(
         )
         scope = f"project {project!r}"
     else:
-        job = _pick_job(job_id, project, storage_root, notice_on_stderr=output is OutputFormat.json)
+        job = _pick_job(job_id, project, storage_root, notice_on_stderr=output != ListFormat.text)
         found = job.checkpoints()
         scope = f"job {job.id}"
     found = _sorted(found, sort, order)
-    if output is OutputFormat.json:
+    if output is ListFormat.json:
         print_json([_row(m) for m in found])
+        return
+    if output is ListFormat.csv:
+        writer = csv.DictWriter(sys.stdout, fieldnames=_ROW_FIELDS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(_row(m) for m in found)
         return
     if not found:
         console.print(f"no checkpoints in {scope}")
@@ -112,7 +126,7 @@ def download(
 ) -> None:
     """Download one checkpoint into TARGET_DIRECTORY/<name>/ and print where it went."""
     job = _pick_job(job_id, project, storage_root, notice_on_stderr=True)
-    manifest = _choose(job, name, rank)
+    manifest = job.checkpoint(name, rank)
     if not manifest.complete:
         warning = f"warning: {manifest.key} is incomplete: {manifest.incomplete_reason}"
         _stderr.print(warning, style="yellow", markup=False)
@@ -141,6 +155,41 @@ def download(
     print(dest.resolve())
 
 
+@checkpoints_app.command("urls")
+def urls(
+    job_id: JobId = None,
+    project: Annotated[
+        str | None,
+        typer.Option("--project", help="Without --job-id: this project's most recent job"),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="Checkpoint name; default: the newest")
+    ] = None,
+    rank: Annotated[int | None, typer.Option("--rank", help="Node rank; default: 0")] = None,
+    expires: Annotated[
+        int, typer.Option("--expires", min=1, help="Seconds the URLs stay valid")
+    ] = 3600,
+    storage_root: StorageRootOption = None,
+    output: Annotated[OutputFormat, typer.Option("-o", "--output")] = OutputFormat.text,
+) -> None:
+    """Time-limited URLs for one checkpoint's files (a storage root on S3 or GCS)."""
+    job = _pick_job(job_id, project, storage_root, notice_on_stderr=True)
+    manifest = job.checkpoint(name, rank)
+    signed = job.checkpoint_urls(manifest.name, manifest.node_rank, expires)
+    expires_at = time.time() + expires
+    rows = [
+        {"path": f.path, "size_bytes": f.size, "sha256": f.sha256, "url": url,
+         "expires_at": expires_at}
+        for f, url in signed
+    ]  # fmt: skip
+    if output is OutputFormat.json:
+        print_json({"checkpoint": _row(manifest), "files": rows})
+        return
+    _stderr.print(f"{manifest.key}: {len(rows)} file(s), URLs valid until {when(expires_at)}")
+    for row in rows:  # one per line, whole: what one pastes into curl
+        print(f"{row['path']}\t{row['url']}")
+
+
 def _pick_job(
     job_id: str | None, project: str | None, storage_root: str | None, *, notice_on_stderr: bool
 ) -> JobHandle:
@@ -152,49 +201,6 @@ def _pick_job(
     if project and job.project != project:
         raise OrchestratorError(f"job {job.id} belongs to project {job.project!r}, not {project!r}")
     return job
-
-
-def _choose(job: JobHandle, name: str | None, rank: int | None) -> Manifest:
-    """The checkpoint asked for; an error that lists what exists when nothing matches."""
-    every = job.checkpoints()
-    if not every:
-        raise OrchestratorError(f"job {job.id} has no uploaded checkpoints")
-    found = every
-    if rank is not None:
-        found = [m for m in found if m.node_rank == rank]
-        if not found:
-            raise OrchestratorError(
-                f"rank {rank} of job {job.id} uploaded no checkpoints; it has: {_inventory(every)}"
-            )
-    if name is None:  # the newest whole one: an incomplete checkpoint only when named
-        whole = [m for m in found if m.complete]
-        if not whole:
-            raise OrchestratorError(
-                f"job {job.id} has only incomplete checkpoints ({_inventory(every)}): "
-                "name one with --name to download it anyway"
-            )
-        name = whole[-1].name
-    found = [m for m in found if m.name == name]
-    if not found:
-        raise OrchestratorError(
-            f"job {job.id} has no checkpoint {name!r}"
-            + (f" from rank {rank}" if rank is not None else "")
-            + f"; it has: {_inventory(every)}"
-        )
-    if rank is None:
-        return next((m for m in found if m.node_rank == 0), min(found, key=lambda m: m.node_rank))
-    return found[-1]
-
-
-def _inventory(manifests: list[Manifest]) -> str:
-    """`checkpoint-1 (ranks 0, 1), checkpoint-2 (rank 0)`, oldest first."""
-    ranks: dict[str, list[int]] = {}
-    for m in manifests:
-        ranks.setdefault(m.name, []).append(m.node_rank)
-    return ", ".join(
-        f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)))})"
-        for n, r in ranks.items()
-    )
 
 
 def _first_missing(dest: Path) -> Path | None:
@@ -226,6 +232,10 @@ def _type(m: Manifest) -> str:
     if kind == "lora" and m.lora_rank is not None:
         kind = f"lora (r={m.lora_rank})"
     return kind if m.complete else f"{kind}, INCOMPLETE"
+
+
+_ROW_FIELDS = ("name", "job_id", "node_rank", "checkpoint_type", "lora_rank", "size_bytes",
+               "file_count", "created_at", "complete", "incomplete_reason")  # fmt: skip
 
 
 def _row(m: Manifest) -> dict:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from orchestrator.client.connection import Connection
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
-from orchestrator.storage.checkpoints import CheckpointStore, Manifest
+from orchestrator.storage.checkpoints import CheckpointStore, Manifest, ManifestFile
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.logs import read_logs
 from orchestrator.storage.records import Failure, JobRecord, JobStatus
@@ -116,6 +120,33 @@ class JobHandle:
         """This job's uploaded checkpoints, every rank's, oldest first."""
         return CheckpointStore(self._store.root).list(self.project, self.id)
 
+    def checkpoint(self, name: str | None = None, rank: int | None = None) -> Manifest:
+        """One checkpoint: `name` (default: the newest whole one) from `rank` (default: 0 if it
+        has it, else the lowest); an error that lists what exists when nothing matches."""
+        return _choose(self, name, rank)
+
+    def checkpoint_urls(
+        self, name: str | None = None, rank: int | None = None, expires_s: int = 3600
+    ) -> list[tuple[ManifestFile, str]]:
+        """Time-limited URLs for one checkpoint's files (storage roots on S3 or GCS)."""
+        manifest = self.checkpoint(name, rank)
+        return CheckpointStore(self._store.root).signed_urls(manifest, expires_s)
+
+    def download_code(self, target: Path) -> Path:
+        """The job's code archive, as pushed, unpacked into `target` (new or empty)."""
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise OrchestratorError(f"{target} already exists and is not empty: pick another")
+        archive = self.record.archive
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="orchestrator-code-") as tmp:
+            local = Path(tmp) / "workspace.tar"
+            self._store.root.get_file(archive.path, local)
+            if _sha256(local) != archive.sha256:
+                raise OrchestratorError(f"code archive {archive.path} does not match its sha256")
+            with tarfile.open(local) as tar:
+                tar.extractall(target, filter="data")
+        return target
+
     def _client(self) -> Any:
         address = self.record.ray_address
         if address is None:
@@ -136,3 +167,54 @@ class JobHandle:
             return _GONE if self.record.embedded_cluster else None
         except Exception:
             return None
+
+
+def _choose(job: JobHandle, name: str | None, rank: int | None) -> Manifest:
+    """The checkpoint asked for; an error that lists what exists when nothing matches."""
+    every = job.checkpoints()
+    if not every:
+        raise OrchestratorError(f"job {job.id} has no uploaded checkpoints")
+    found = every
+    if rank is not None:
+        found = [m for m in found if m.node_rank == rank]
+        if not found:
+            raise OrchestratorError(
+                f"rank {rank} of job {job.id} uploaded no checkpoints; it has: {_inventory(every)}"
+            )
+    if name is None:  # the newest whole one: an incomplete checkpoint only when named
+        whole = [m for m in found if m.complete]
+        if not whole:
+            raise OrchestratorError(
+                f"job {job.id} has only incomplete checkpoints ({_inventory(every)}): "
+                "name one with --name to download it anyway"
+            )
+        name = whole[-1].name
+    found = [m for m in found if m.name == name]
+    if not found:
+        raise OrchestratorError(
+            f"job {job.id} has no checkpoint {name!r}"
+            + (f" from rank {rank}" if rank is not None else "")
+            + f"; it has: {_inventory(every)}"
+        )
+    if rank is None:
+        return next((m for m in found if m.node_rank == 0), min(found, key=lambda m: m.node_rank))
+    return found[-1]
+
+
+def _inventory(manifests: list[Manifest]) -> str:
+    """`checkpoint-1 (ranks 0, 1), checkpoint-2 (rank 0)`, oldest first."""
+    ranks: dict[str, list[int]] = {}
+    for m in manifests:
+        ranks.setdefault(m.name, []).append(m.node_rank)
+    return ", ".join(
+        f"{n} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)))})"
+        for n, r in ranks.items()
+    )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -24,9 +24,10 @@ from fsspec import AbstractFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.envflags import env_flag
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, UnsupportedFeatureError
 from orchestrator.storage.local_checkpoint import LocalFile, Snapshot, snapshot
 from orchestrator.storage.parallel import parallel_map
+from orchestrator.storage.retry import describe
 from orchestrator.storage.root import StorageRoot
 
 CHUNK = 8 * 1024 * 1024
@@ -246,6 +247,31 @@ class CheckpointStore:
             self.root.fs.rm(self.root.path(rel), recursive=True)
 
     # --- reading -----------------------------------------------------------------------------
+
+    def signed_urls(self, manifest: Manifest, expires_s: int) -> list[tuple[ManifestFile, str]]:
+        """A time-limited URL for each of a checkpoint's files, where the store can sign them
+        (S3 and GCS with credentials that may sign; a local directory cannot)."""
+        if self.root.is_local:
+            raise UnsupportedFeatureError(
+                f"the storage root {self.root.url} is a local directory: it cannot make URLs. "
+                "Use `orchestrator checkpoints download`, or a storage root on S3 or GCS"
+            )
+        try:
+            return [
+                (f, self.root.fs.sign(self.root.path(f"{manifest.files_dir}/{f.path}"),
+                                      expiration=expires_s))
+                for f in manifest.files
+            ]  # fmt: skip
+        except NotImplementedError:
+            raise UnsupportedFeatureError(
+                f"the storage root {self.root.url} cannot sign URLs (its filesystem, "
+                f"{type(self.root.fs).__name__}, does not support it)"
+            ) from None
+        except Exception as e:
+            raise UnsupportedFeatureError(
+                f"the storage root {self.root.url} could not sign URLs ({describe(e)}): signing "
+                "needs credentials that may sign (a GCS service account key, S3 keys)"
+            ) from e
 
     def manifest(self, project: str, job_id: str, rank: int, name: str) -> Manifest | None:
         """The committed manifest of one checkpoint, or None."""
