@@ -39,6 +39,18 @@ checkpoints_app = typer.Typer(
 _stderr = Console(stderr=True, highlight=False)
 
 
+LatestOf = Annotated[
+    str | None, typer.Option("--project", help="Without --job-id: this project's most recent job")
+]
+CheckpointName = Annotated[
+    str | None, typer.Option("--name", help="Checkpoint name; default: the newest")
+]
+Rank = Annotated[
+    int | None,
+    typer.Option("--rank", help="Node rank; default: 0 if it has the checkpoint, else the lowest"),
+]
+
+
 class ListFormat(str, enum.Enum):
     text = "text"
     json = "json"
@@ -105,19 +117,9 @@ def list_checkpoints(
 @checkpoints_app.command("download")
 def download(
     job_id: JobId = None,
-    project: Annotated[
-        str | None,
-        typer.Option("--project", help="Without --job-id: this project's most recent job"),
-    ] = None,
-    name: Annotated[
-        str | None, typer.Option("--name", help="Checkpoint name; default: the newest")
-    ] = None,
-    rank: Annotated[
-        int | None,
-        typer.Option(
-            "--rank", help="Node rank; default: 0 if it has the checkpoint, else the lowest"
-        ),
-    ] = None,
+    project: LatestOf = None,
+    name: CheckpointName = None,
+    rank: Rank = None,
     target_directory: Annotated[
         Path | None,
         typer.Option("--target-directory", help="Default: ./<job_id>-checkpoints"),
@@ -158,14 +160,9 @@ def download(
 @checkpoints_app.command("urls")
 def urls(
     job_id: JobId = None,
-    project: Annotated[
-        str | None,
-        typer.Option("--project", help="Without --job-id: this project's most recent job"),
-    ] = None,
-    name: Annotated[
-        str | None, typer.Option("--name", help="Checkpoint name; default: the newest")
-    ] = None,
-    rank: Annotated[int | None, typer.Option("--rank", help="Node rank; default: 0")] = None,
+    project: LatestOf = None,
+    name: CheckpointName = None,
+    rank: Rank = None,
     expires: Annotated[
         int, typer.Option("--expires", min=1, help="Seconds the URLs stay valid")
     ] = 3600,
