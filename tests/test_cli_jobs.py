@@ -50,9 +50,12 @@ def test_push_view_logs_and_stop_the_most_recent_job(tmp_path, storage_root):
         assert time.monotonic() < deadline, job.logs()
         time.sleep(0.2)
 
-    rows = json.loads(cli("view", "--storage-root", storage_root, "-o", "json").stdout)
-    assert [(r["id"], r["project"], r["status"]) for r in rows] == [
+    overview = json.loads(cli("view", "--storage-root", storage_root, "-o", "json").stdout)
+    assert [(r["id"], r["project"], r["status"]) for r in overview["active_jobs"]] == [
         (job_id, "cli-project", "RUNNING")
+    ]
+    assert [(p["name"], p["latest_job_id"]) for p in overview["projects"]] == [
+        ("cli-project", job_id)
     ]
     detail = json.loads(cli("view", "--job-id", job_id, "--storage-root", storage_root,
                             "-o", "json").stdout)  # fmt: skip

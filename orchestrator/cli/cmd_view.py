@@ -11,16 +11,19 @@ from orchestrator.cli.options import JobId, Project, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json, when
 from orchestrator.client.api import get_job, list_jobs
 from orchestrator.client.jobs import JobHandle
+from orchestrator.lifecycle import JobState
 from orchestrator.storage.records import JobStatus
 
 
 def view(
     project: Project = None,
     job_id: JobId = None,
+    all_jobs: Annotated[bool, typer.Option("--all", help="Every job, newest last")] = False,
     storage_root: StorageRootOption = None,
     output: Annotated[OutputFormat, typer.Option("-o", "--output")] = OutputFormat.text,
 ) -> None:
-    """Show jobs (all, one project's, or one job in detail)."""
+    """Show projects and active jobs; a project's jobs (--project), every job (--all), or one
+    job in detail (--job-id)."""
     if job_id:
         job = get_job(job_id, storage_root=storage_root)
         if output is OutputFormat.json:
@@ -28,12 +31,57 @@ def view(
         else:
             _print_detail(job)
         return
-    jobs = list_jobs(project, storage_root=storage_root)
-    rows = [_job_row(j) for j in jobs]
+    rows = [_job_row(j) for j in list_jobs(project, storage_root=storage_root)]
+    rows.reverse()  # oldest first
+    if project or all_jobs:
+        _print_jobs(rows, f"jobs of {project}" if project else "jobs", output)
+        return
+    projects = _project_rows(rows)
+    active = [r for r in rows if not JobState(r["status"]).is_terminal]
+    if output is OutputFormat.json:
+        print_json({"projects": projects, "active_jobs": active})
+        return
+    table = Table(title="projects")
+    for column in ("project", "jobs", "latest job", "its status", "its checkpoints", "pushed"):
+        table.add_column(column)
+    for p in projects:
+        table.add_row(p["name"], str(p["job_count"]), p["latest_job_id"], p["latest_job_status"],
+                      p["latest_job_checkpoints"] or "-", p["latest_job_created"])  # fmt: skip
+    console.print(table if projects else "no projects yet: push a job")
+    for warning in _unstored_warnings(rows):
+        console.print(warning, markup=True)
+    if active:
+        _print_jobs(active, "active jobs", output)
+    else:
+        console.print("no active jobs")
+
+
+def _project_rows(rows: list[dict]) -> list[dict]:
+    """Per project (in the order of their latest jobs): its latest job and how that went."""
+    latest: dict[str, dict] = {}
+    counts: dict[str, int] = {}
+    for r in rows:  # oldest first: the last one seen is the latest
+        latest[r["project"]] = r
+        counts[r["project"]] = counts.get(r["project"], 0) + 1
+    return [
+        {
+            "name": name,
+            "job_count": counts[name],
+            "latest_job_id": r["id"],
+            "latest_job_status": r["status"],
+            "latest_job_checkpoints": r["checkpoints"],
+            "checkpoint_sync_status": r["checkpoint_sync_status"],
+            "latest_job_created": r["created"],
+        }
+        for name, r in sorted(latest.items(), key=lambda item: item[1]["created"])
+    ]
+
+
+def _print_jobs(rows: list[dict], title: str, output: OutputFormat) -> None:
     if output is OutputFormat.json:
         print_json(rows)
         return
-    table = Table(title=f"jobs of {project}" if project else "jobs")
+    table = Table(title=title)
     for column in ("job id", "project", "name", "status", "nodes", "checkpoints", "created"):
         table.add_column(column)
     for r in rows:
