@@ -12,6 +12,7 @@ from orchestrator.cli import (
     cmd_init,
     cmd_logs,
     cmd_push,
+    cmd_recreate,
     cmd_run,
     cmd_stop,
     cmd_validate,
@@ -33,6 +34,7 @@ app = typer.Typer(
 app.command("validate")(cmd_validate.validate)
 app.command("init")(cmd_init.init)
 app.command("push")(cmd_push.push)
+app.command("recreate")(cmd_recreate.recreate)
 app.command("logs")(cmd_logs.logs)
 app.command("view")(cmd_view.view)
 app.command("stop")(cmd_stop.stop)

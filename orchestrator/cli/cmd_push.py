@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.cli.jobs_common import follow
+from orchestrator.cli.jobs_common import announce, follow
 from orchestrator.cli.options import Address, StorageRootOption
 from orchestrator.cli.render import (
     OutputFormat,
@@ -60,18 +60,7 @@ def push(
     store = JobStore(storage(storage_root))
     record = submit(prepared, connection, store.root, colocate_ranks=colocate_ranks)
     job = JobHandle(store, record)
-    if output is OutputFormat.json:
-        print_json(
-            {"training_project": job["training_project"], "training_job": job["training_job"]}
-        )
-    else:
-        console.print(
-            f"pushed job [bold]{job.id}[/bold] of project {job.project} to {connection.address}\n"
-            f"  logs:  orchestrator logs --job-id {job.id} --tail\n"
-            f"  view:  orchestrator view --job-id {job.id}\n"
-            f"  stop:  orchestrator stop --job-id {job.id}",
-            markup=True,
-        )
+    announce(job, f"pushed job [bold]{job.id}[/bold]", output)
     if tail and (code := follow(job)):
         raise typer.Exit(code)
 

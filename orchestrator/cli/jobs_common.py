@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.cli.render import console
+from orchestrator.cli.render import OutputFormat, console, print_json
 from orchestrator.client.api import get_job, latest_job
 from orchestrator.client.jobs import JobHandle
 from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, JobState
@@ -21,6 +21,22 @@ def pick_job(job_id: str | None, project: str | None, storage_root: str | None) 
     job = latest_job(project, storage_root=storage_root)
     console.print(f"[dim]no --job-id given: using the most recent job, {job.id}[/dim]", markup=True)
     return job
+
+
+def announce(job: JobHandle, what: str, output: OutputFormat) -> None:
+    """A submitted job: its Baseten-shaped ids (JSON), or where to follow it."""
+    if output is OutputFormat.json:
+        print_json(
+            {"training_project": job["training_project"], "training_job": job["training_job"]}
+        )
+        return
+    console.print(
+        f"{what} of project {job.project} to {job.record.ray_address}\n"
+        f"  logs:  orchestrator logs --job-id {job.id} --tail\n"
+        f"  view:  orchestrator view --job-id {job.id}\n"
+        f"  stop:  orchestrator stop --job-id {job.id}",
+        markup=True,
+    )
 
 
 def follow(job: JobHandle) -> int:

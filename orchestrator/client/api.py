@@ -8,7 +8,7 @@ from orchestrator.client.connection import connect, storage
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.overrides import Overrides
 from orchestrator.client.prepare import prepare_job
-from orchestrator.client.submit import submit
+from orchestrator.client.submit import check_recreatable, recreate_job, submit
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.training import TrainingProject
@@ -34,6 +34,26 @@ def push(
     store = JobStore(storage(storage_root))
     record = submit(prepared, connection, store.root, colocate_ranks=colocate_ranks)
     return JobHandle(store, record)
+
+
+def recreate(
+    job_id: str | None = None,
+    *,
+    project: str | None = None,
+    address: str | None = None,
+    storage_root: str | None = None,
+) -> JobHandle:
+    """A new job with an earlier job's code and config (default: the most recent job, of
+    `project` if given), as `truss train recreate`."""
+    earlier = (
+        get_job(job_id, storage_root=storage_root)
+        if job_id
+        else latest_job(project, storage_root=storage_root)
+    )
+    store = JobStore(storage(storage_root))
+    check_recreatable(earlier.record, store.root)  # before a cluster is started for nothing
+    connection = connect(address)
+    return JobHandle(store, recreate_job(earlier.record, connection, store.root))
 
 
 def get_job(job_id: str, *, storage_root: str | None = None) -> JobHandle:

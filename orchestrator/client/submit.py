@@ -125,7 +125,46 @@ def submit(
         embedded=connection.embedded, upload_settings=upload_settings,
         storage_settings=storage_settings,
     )  # fmt: skip
-    image = prepared.project.job.image.base_image
+    submit_record(record, connection, root)
+    return record
+
+
+def recreate_job(earlier: JobRecord, connection: Connection, root: StorageRoot) -> JobRecord:
+    """A new job from an earlier one's record: the same code archive (not uploaded again), the
+    same config and settings, a new id, submitted to `connection`'s cluster."""
+    check_storage_reachable(connection, root)
+    check_recreatable(earlier, root)
+    job_id = new_job_id()
+    record = earlier.model_copy(
+        update={
+            "job_id": job_id,
+            "created_at": time.time(),
+            "storage_root": root.url,
+            "ray_address": connection.address,
+            "submitted_via": "recreate",
+            "recreated_from": earlier.job_id,
+            "embedded_cluster": connection.embedded,
+        }
+    )
+    JobStore(root).create(record, JobStatus.new(job_id, f"recreated from job {earlier.job_id}"))
+    submit_record(record, connection, root)
+    return record
+
+
+def check_recreatable(earlier: JobRecord, root: StorageRoot) -> None:
+    """An earlier job can run again only while its code archive is in the storage root."""
+    if not JobStore(root).has_archive(earlier.archive.sha256):
+        raise OrchestratorError(
+            f"job {earlier.job_id}'s code archive {earlier.archive.path} is no longer in "
+            f"{root.url}: push its config again instead"
+        )
+
+
+def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) -> None:
+    """Submit a stored job's controller as a Ray job (submission id = job id); a refusal is
+    recorded as DEPLOY_FAILED, then raised."""
+    job_id = record.job_id
+    image = record.spec.job.image.base_image
     try:
         connection.client().submit_job(
             entrypoint=controller_entrypoint(job_id, root, connection),
@@ -144,4 +183,3 @@ def submit(
         status = store.status(job_id).moved_to(JobState.DEPLOY_FAILED, failure.cause)
         store.put_status(status.model_copy(update={"failure": failure}))
         raise
-    return record

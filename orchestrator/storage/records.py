@@ -36,7 +36,8 @@ class JobRecord(_Record):
     storage_root: str
     ray_address: str | None = None
     embedded_cluster: bool = False  # the local cluster orchestrator started on this machine
-    submitted_via: str = "push"  # push | ray-job-submit
+    submitted_via: str = "push"  # push | ray-job-submit | recreate
+    recreated_from: str | None = None  # the job whose record and code this one reuses
     colocate_ranks: bool = False  # all ranks on one node (a development machine)
     checkpoint_upload: UploadSettings = Field(default_factory=UploadSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)  # riding out outages
