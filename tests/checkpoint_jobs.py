@@ -134,7 +134,7 @@ def run_writer(
 ) -> tuple[JobHandle, Observer]:
     """Push a writer job, watch the storage root while it runs, and check it completed."""
     job = push(writer_job(tmp_path / "job", project, script, **kw), storage_root=root_url)
-    observer = Observer(root_url, job.project, job.id)
+    observer = Observer(root_url, job.project_id, job.id)
     try:
         state = job.wait(timeout=120)
     finally:
@@ -145,7 +145,7 @@ def run_writer(
 
 def uploaded_while_running(job: JobHandle, root_url: str, name: str) -> Observer:
     """Wait until `name` is listed, check the job was still running then, and let it end."""
-    observer = Observer(root_url, job.project, job.id)
+    observer = Observer(root_url, job.project_id, job.id)
     deadline = time.monotonic() + 60
     while name not in observer.first_seen:
         assert time.monotonic() < deadline, job.logs()

@@ -194,7 +194,7 @@ def test_a_checkpoint_rewritten_in_place_replaces_the_stored_one(tmp_path, root_
     assert manifest.version == 2
     # The replaced version's files are gone from the storage root.
     root = StorageRoot(root_url)
-    base = f"checkpoints/{job.project}/{job.id}/rank-0/checkpoint-1"
+    base = f"checkpoints/{job.project_id}/{job.id}/rank-0/checkpoint-1"
     assert root.list_names(base) == ["v2"]
 
 

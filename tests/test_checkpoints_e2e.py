@@ -38,7 +38,7 @@ save("checkpoint-2", "second")
 
 def names(job: JobHandle) -> list[str]:
     store = CheckpointStore(StorageRoot(job.record.storage_root))
-    return [m.name for m in store.list(job.project, job.id)]
+    return [m.name for m in store.list(job.project_id, job.id)]
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

@@ -49,7 +49,7 @@ def stored(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     written = {"model.bin": os.urandom(300_000), "config.json": b'{"step": 3}'}
     for name, data in written.items():
         (checkpoint / name).write_bytes(data)
-    CheckpointStore(root).upload(checkpoint, record.project, record.job_id, 0)
+    CheckpointStore(root).upload(checkpoint, record.project_key, record.job_id, 0)
     return {"root": root.url, "job_dir": config.parent, "checkpoint": written}
 
 

@@ -77,7 +77,8 @@ def test_job_completes_with_the_env_contract(tmp_path, storage_root):
     env = json.loads(next(line for line in lines if "ENV {" in line).split("ENV ", 1)[1])
     assert env["BT_TRAINING_JOB_ID"] == job.id
     assert env["BT_TRAINING_JOB_NAME"] == "contract"
-    assert env["BT_TRAINING_PROJECT_NAME"] == env["BT_TRAINING_PROJECT_ID"] == "env-contract"
+    assert env["BT_TRAINING_PROJECT_NAME"] == "env-contract"
+    assert env["BT_TRAINING_PROJECT_ID"] == job.project_id and job.project_id.startswith("p")
     assert (env["BT_NUM_GPUS"], env["BT_GROUP_SIZE"], env["BT_NODE_RANK"]) == ("0", "1", "0")
     assert env["BT_RETRY_COUNT"] == "0" and env["BT_LEADER_ADDR"]
     assert env["GREETING"] == "hello from config"

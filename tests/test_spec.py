@@ -222,11 +222,34 @@ def test_blank_start_command_is_rejected():
 
 
 @pytest.mark.parametrize(
+    ("name", "why"),
+    [("", "must not be empty"), ("   ", "must not be empty"),
+     ("two\nlines", "contains a control character"), ("tab\there", "control character"),
+     ("x" * 257, "is 257 characters long; at most 256")],
+)  # fmt: skip
+def test_project_and_job_names_refuse_only_what_cannot_be_a_name(name, why):
+    line = one_problem(d.TrainingProject, name=name, job=d.TrainingJob(image=image()))
+    assert line.startswith("TrainingProject.name: ") and why in line
+    line = one_problem(d.TrainingJob, image=image(), name=name)
+    assert line.startswith("TrainingJob.name: ") and why in line
+
+
+@pytest.mark.parametrize(
+    "name", ["demo/qwen3-0.6b", "..", ".hidden", "-lead", "x" * 256, "end.", "trailing ",
+             "검색 모델", "llama 3.1 (8B) → sft", "a/b/../c"],
+)  # fmt: skip
+def test_every_name_baseten_accepts_is_accepted(name):
+    project = d.TrainingProject(name=name, job=d.TrainingJob(image=image(), name=name))
+    assert project.name == project.job.name == name
+
+
+@pytest.mark.parametrize(
     "name", ["a/b", "..", ".hidden", "-lead", "x" * 129, "", "end.", "trailing "]
 )
-def test_project_names_must_be_safe_path_segments(name):
-    line = one_problem(d.TrainingProject, name=name, job=d.TrainingJob(image=image()))
-    assert line.startswith("TrainingProject.name: ") and "not a safe name" in line
+def test_team_names_must_be_safe_path_segments(name):
+    job = d.TrainingJob(image=image())
+    line = one_problem(d.TrainingProject, name="p", team_name=name, job=job)
+    assert line.startswith("TrainingProject.team_name: ") and "not a safe name" in line
 
 
 @pytest.mark.parametrize(

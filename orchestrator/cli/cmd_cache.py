@@ -28,7 +28,7 @@ class SortKey(str, enum.Enum):
 
 @cache_app.command("summarize")
 def summarize(
-    project: Annotated[str, typer.Argument(help="Project name")],
+    project: Annotated[str, typer.Argument(help="Project name or id")],
     team: Team = None,
     storage_root: StorageRootOption = None,
     sort: Annotated[SortKey, typer.Option("--sort")] = SortKey.filepath,
@@ -74,7 +74,7 @@ def summarize(
 
 @cache_app.command("delete")
 def delete(
-    project: Annotated[str, typer.Argument(help="Project name")],
+    project: Annotated[str, typer.Argument(help="Project name or id")],
     team: Team = None,
     storage_root: StorageRootOption = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,

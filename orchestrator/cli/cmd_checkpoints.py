@@ -195,7 +195,7 @@ def _pick_job(
     else:
         job = latest_job(project, storage_root=storage_root)
         _stderr.print(f"[dim]no --job-id given: using the most recent job, {job.id}[/dim]")
-    if project and job.project != project:
+    if project and project not in (job.project, job.project_id):
         raise OrchestratorError(f"job {job.id} belongs to project {job.project!r}, not {project!r}")
     return job
 

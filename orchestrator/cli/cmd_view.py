@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.cli.options import JobId, Project, StorageRootOption
@@ -42,11 +43,13 @@ def view(
         print_json({"projects": projects, "active_jobs": active})
         return
     table = Table(title="projects")
-    for column in ("project", "jobs", "latest job", "its status", "its checkpoints", "pushed"):
+    for column in ("project", "id", "jobs", "latest job", "its status", "its checkpoints",
+                   "pushed"):  # fmt: skip
         table.add_column(column)
     for p in projects:
-        table.add_row(p["name"], str(p["job_count"]), p["latest_job_id"], p["latest_job_status"],
-                      p["latest_job_checkpoints"] or "-", p["latest_job_created"])  # fmt: skip
+        table.add_row(p["name"], p["id"], str(p["job_count"]), p["latest_job_id"],
+                      p["latest_job_status"], p["latest_job_checkpoints"] or "-",
+                      p["latest_job_created"])  # fmt: skip
     console.print(table if projects else "no projects yet: push a job")
     for warning in _unstored_warnings(rows):
         console.print(warning, markup=True)
@@ -61,19 +64,20 @@ def _project_rows(rows: list[dict]) -> list[dict]:
     latest: dict[str, dict] = {}
     counts: dict[str, int] = {}
     for r in rows:  # oldest first: the last one seen is the latest
-        latest[r["project"]] = r
-        counts[r["project"]] = counts.get(r["project"], 0) + 1
+        latest[r["project_id"]] = r
+        counts[r["project_id"]] = counts.get(r["project_id"], 0) + 1
     return [
         {
-            "name": name,
-            "job_count": counts[name],
+            "id": key,
+            "name": r["project"],
+            "job_count": counts[key],
             "latest_job_id": r["id"],
             "latest_job_status": r["status"],
             "latest_job_checkpoints": r["checkpoints"],
             "checkpoint_sync_status": r["checkpoint_sync_status"],
             "latest_job_created": r["created"],
         }
-        for name, r in sorted(latest.items(), key=lambda item: item[1]["created"])
+        for key, r in sorted(latest.items(), key=lambda item: item[1]["created"])
     ]
 
 
@@ -96,11 +100,11 @@ def _unstored_warnings(rows: list[dict]) -> list[str]:
     """Per project, when its latest job ended without every checkpoint stored."""
     latest: dict[str, dict] = {}
     for r in rows:  # oldest first
-        latest[r["project"]] = r
+        latest[r["project_id"]] = r
     return [
-        f"[yellow]project {p}: its latest job, {r['id']}, did not store all its checkpoints "
-        f"({r['checkpoints']}): orchestrator view --job-id {r['id']}[/yellow]"
-        for p, r in latest.items()
+        f"[yellow]project {escape(r['project'])}: its latest job, {r['id']}, did not store all "
+        f"its checkpoints ({r['checkpoints']}): orchestrator view --job-id {r['id']}[/yellow]"
+        for r in latest.values()
         if r["checkpoint_sync_status"] == "not_synced"
     ]
 
@@ -112,6 +116,7 @@ def _job_row(job: JobHandle, details: JobStatus | None = None) -> dict:
     return {
         "id": job.id,
         "project": r.project,
+        "project_id": r.project_key,
         "name": r.job_name,
         "status": details.state.value,
         "nodes": r.spec.job.compute.node_count,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
+
 from orchestrator.cli.render import OutputFormat, console, print_json
 from orchestrator.client.api import get_job, latest_job
 from orchestrator.client.jobs import JobHandle
@@ -31,7 +33,7 @@ def announce(job: JobHandle, what: str, output: OutputFormat) -> None:
         )
         return
     console.print(
-        f"{what} of project {job.project} to {job.record.ray_address}\n"
+        f"{what} of project {escape(job.project)} to {job.record.ray_address}\n"
         f"  logs:  orchestrator logs --job-id {job.id} --tail\n"
         f"  view:  orchestrator view --job-id {job.id}\n"
         f"  stop:  orchestrator stop --job-id {job.id}",

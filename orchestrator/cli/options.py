@@ -27,4 +27,4 @@ class SortOrder(str, enum.Enum):
     desc = "desc"
 
 
-Project = Annotated[str | None, typer.Option("--project", help="Project name")]
+Project = Annotated[str | None, typer.Option("--project", help="Project name or id")]

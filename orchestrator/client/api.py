@@ -67,11 +67,11 @@ def list_jobs(
     *,
     storage_root: str | None = None,
 ) -> list[JobHandle]:
-    """Jobs, newest first, optionally of one project and in one state."""
+    """Jobs, newest first, optionally of one project (its name or id) and in one state."""
     store = JobStore(storage(storage_root))
     handles = [JobHandle(store, r) for r in reversed(store.records())]
     if project is not None:
-        handles = [h for h in handles if h.project == project]
+        handles = [h for h in handles if project in (h.project, h.project_id)]
     if status is not None:
         wanted = JobState(status.upper() if isinstance(status, str) else status)
         handles = [h for h in handles if h.status() == wanted]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from orchestrator.client.connection import storage
 from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.projects import ProjectStore
+from orchestrator.storage.records import JobRecord
 from orchestrator.storage.training_cache import CacheStore
 
 
@@ -17,16 +19,36 @@ class CacheEntry:
 
 
 def project_team(project: str, storage_root: str | None = None) -> str | None:
-    """The team of the project's most recent job: whose cache `project` means by default."""
-    records = [r for r in JobStore(storage(storage_root)).records() if r.project == project]
-    return max(records, key=lambda r: r.created_at).team if records else None
+    """The team of the project's most recent job: whose cache `project` (its name or id) means
+    by default."""
+    latest = _latest_record(project, storage_root)
+    return latest.team if latest else None
+
+
+def _latest_record(project: str, storage_root: str | None) -> JobRecord | None:
+    records = [
+        r for r in JobStore(storage(storage_root)).records()
+        if project in (r.project, r.project_key)
+    ]  # fmt: skip
+    return max(records, key=lambda r: r.created_at) if records else None
+
+
+def _key(project: str, storage_root: str | None) -> str:
+    """The project's id, which its cache is stored under; a name no job has used stays as it
+    is (its cache is empty)."""
+    latest = _latest_record(project, storage_root)
+    if latest is not None:
+        return latest.project_key
+    found = ProjectStore(storage(storage_root)).resolve(project)
+    return found.id if found else project
 
 
 def cache_summary(
     project: str, team: str | None = None, *, storage_root: str | None = None
 ) -> list[CacheEntry]:
     """Every file of the project's cache (as last written back), sorted by path."""
-    manifest = CacheStore(storage(storage_root), team, project).manifest()
+    key = _key(project, storage_root)
+    manifest = CacheStore(storage(storage_root), team, key).manifest()
     return [CacheEntry(path, f.size, f.mtime) for path, f in sorted(manifest.files.items())]
 
 
@@ -35,5 +57,5 @@ def delete_cache(
 ) -> tuple[int, int]:
     """Empty the project's cache; (files, bytes) it held. Nodes drop their copies when next
     seeded, except files a running job has changed since."""
-    before = CacheStore(storage(storage_root), team, project).clear()
+    before = CacheStore(storage(storage_root), team, _key(project, storage_root)).clear()
     return len(before.files), before.total_bytes

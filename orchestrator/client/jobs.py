@@ -37,7 +37,12 @@ class JobHandle:
 
     @property
     def project(self) -> str:
+        """The project's name, as written in its config."""
         return self.record.project
+
+    @property
+    def project_id(self) -> str:
+        return self.record.project_key
 
     def __repr__(self) -> str:
         return f"<TrainingJob {self.id} project={self.project!r} status={self.status().value}>"
@@ -45,12 +50,12 @@ class JobHandle:
     def __getitem__(self, key: str) -> Any:
         """Dict access as Baseten's `push` result: `["training_project"]`, `["training_job"]`."""
         views = {
-            "training_project": {"id": self.project, "name": self.project},
+            "training_project": {"id": self.project_id, "name": self.project},
             "training_job": {
                 "id": self.id,
                 "name": self.record.job_name,
                 "current_status": self.status().value,
-                "training_project": {"id": self.project, "name": self.project},
+                "training_project": {"id": self.project_id, "name": self.project},
             },
         }
         return views[key]
@@ -118,7 +123,7 @@ class JobHandle:
 
     def checkpoints(self) -> list[Manifest]:
         """This job's uploaded checkpoints, every rank's, oldest first."""
-        return CheckpointStore(self._store.root).list(self.project, self.id)
+        return CheckpointStore(self._store.root).list(self.project_id, self.id)
 
     def checkpoint(self, name: str | None = None, rank: int | None = None) -> Manifest:
         """One checkpoint: `name` (default: the newest whole one) from `rank` (default: 0 if it

@@ -18,6 +18,7 @@ from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.projects import ProjectRecord, ProjectStore
 from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus
 from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.root import StorageRoot
@@ -56,9 +57,11 @@ def store_job(
         info = write_archive(prepared.plan, Path(tmp) / "workspace.tar")
         archive_path = store.put_archive(info.path, info.sha256)
     project = prepared.project
+    registered = register_project(root, project.name)
     record = JobRecord(
         job_id=job_id,
         project=project.name,
+        project_id=registered.id,
         team=project.team_name,
         job_name=project.job.name,
         created_at=time.time(),
@@ -81,6 +84,16 @@ def store_job(
     )
     store.create(record, JobStatus.new(job_id, "submitted"))
     return record
+
+
+def register_project(root: StorageRoot, name: str) -> ProjectRecord:
+    """The project's id, given now if this is its first push. A name whose jobs were stored
+    before ids existed keeps itself as its id, so their checkpoints and cache stay found."""
+    projects = ProjectStore(root)
+    if (found := projects.by_name(name)) is not None:
+        return found
+    legacy = any(r.project == name and r.project_id is None for r in JobStore(root).records())
+    return projects.ensure(name, legacy=legacy)
 
 
 def controller_entrypoint(job_id: str, root: StorageRoot, connection: Connection) -> str:

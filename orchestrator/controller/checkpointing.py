@@ -42,7 +42,7 @@ def resolve_checkpoints(record: JobRecord, store: JobStore) -> list[Manifest]:
         if isinstance(ref, _LoopsCheckpoint):
             raise CheckpointNotFound(f"{where}: Loops checkpoints are not available here")
         if isinstance(ref, _BasetenNamedCheckpoint):
-            project = _project_of(ref.job_id, store, where)
+            project = _record_of(ref.job_id, store, where).project_key
             matches = [
                 m for m in checkpoints.list(project, ref.job_id) if m.name == ref.checkpoint_name
             ]
@@ -88,26 +88,34 @@ def _latest(
     where: str,
 ) -> list[Manifest]:
     if ref.job_id:
-        project = ref.project_name or _project_of(ref.job_id, store, where)
-        candidates = [ref.job_id]
+        owner = _record_of(ref.job_id, store, where)
+        if ref.project_name and ref.project_name not in (owner.project, owner.project_key):
+            raise CheckpointNotFound(
+                f"{where}: job {ref.job_id} is of project {owner.project!r}, not "
+                f"{ref.project_name!r}"
+            )
+        candidates = [owner]
         scope = f"job {ref.job_id}"
     else:
-        project = ref.project_name or record.project
-        jobs = [r for r in store.records() if r.project == project and r.job_id != record.job_id]
-        candidates = [r.job_id for r in sorted(jobs, key=lambda r: r.created_at, reverse=True)]
+        project = ref.project_name or record.project  # a name or an id
+        jobs = [
+            r for r in store.records()
+            if project in (r.project, r.project_key) and r.job_id != record.job_id
+        ]  # fmt: skip
+        candidates = sorted(jobs, key=lambda r: r.created_at, reverse=True)
         scope = f"project {project!r}"
-    for job_id in candidates:
+    for job in candidates:
         # An incomplete checkpoint (its writer died before it was whole) is never "latest".
-        manifests = [m for m in checkpoints.list(project, job_id) if m.complete]
+        manifests = [m for m in checkpoints.list(job.project_key, job.job_id) if m.complete]
         if manifests:
             newest = max(manifests, key=lambda m: m.created_at).name
             return [m for m in manifests if m.name == newest]
     raise CheckpointNotFound(f"{where}: {scope} has no complete uploaded checkpoint to load")
 
 
-def _project_of(job_id: str, store: JobStore, where: str) -> str:
+def _record_of(job_id: str, store: JobStore, where: str) -> JobRecord:
     try:
-        return store.record(job_id).project
+        return store.record(job_id)
     except JobNotFound:
         raise CheckpointNotFound(f"{where}: no job {job_id!r} in {store.root.url}") from None
 
@@ -134,7 +142,7 @@ class Uploaders:
                 ),
             )
             .remote(
-                record.project,
+                record.project_key,
                 record.job_id,
                 rank,
                 record.storage_root,

@@ -444,7 +444,7 @@ class JobController:
         try:
             seeder = ray.get_actor(cache_seeder_name(leader), namespace=NAMESPACE)
             pending = seeder.write_back.remote(
-                self.record.storage_root, self.record.team, self.record.project
+                self.record.storage_root, self.record.team, self.record.project_key
             )
             if not wait:
                 self.say("training cache: rank 0's changes are being written back")

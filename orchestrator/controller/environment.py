@@ -38,7 +38,7 @@ def job_environment(record: JobRecord, node: NodeInfo) -> dict[str, str]:
     env = {
         "BT_TRAINING_JOB_ID": record.job_id,
         "BT_TRAINING_JOB_NAME": job.name or record.job_id,
-        "BT_TRAINING_PROJECT_ID": record.project,
+        "BT_TRAINING_PROJECT_ID": record.project_key,
         "BT_TRAINING_PROJECT_NAME": record.project,
         "BT_NUM_GPUS": str(job.compute.gpus_per_node),
         "BT_WORKING_DIR": node.working_dir,

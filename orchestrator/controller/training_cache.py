@@ -32,7 +32,7 @@ def cache_request(record: JobRecord) -> dict[str, Any] | None:
         return None
     return {
         "team": record.team,
-        "project": record.project,
+        "project": record.project_key,
         "mount_base_path": cache.mount_base_path,
         # Baseten's default (written out or not: a stored record cannot tell) is relocated.
         "explicit_base": cache.mount_base_path != DEFAULT_MOUNT_BASE_PATH,
@@ -51,7 +51,7 @@ def affinity_selector(
     if not cache.require_cache_affinity:
         return None, "require_cache_affinity is off: placed anywhere"
     alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    store = CacheStore(StorageRoot(record.storage_root), record.team, record.project)
+    store = CacheStore(StorageRoot(record.storage_root), record.team, record.project_key)
     held = store.holders(alive)
     if not held:
         return None, "no live node holds the project's cache yet: placed anywhere"

@@ -46,6 +46,25 @@ def check_safe_name(value: str) -> str:
 
 SafeName = Annotated[str, AfterValidator(check_safe_name)]
 
+MAX_NAME_LENGTH = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def check_display_name(value: str) -> str:
+    """A project or job name as a person writes it ("demo/qwen3-0.6b", "Axolotl 20B 1 Node",
+    "검색 모델"), as Baseten takes it. It is never a path, an actor name or a shell word (those
+    use ids), so only what cannot be shown on one line is refused."""
+    if not value.strip():
+        raise ValueError("must not be empty")
+    if _CONTROL.search(value):
+        raise ValueError(f"{value!r} contains a control character (a newline, a tab, ...)")
+    if len(value) > MAX_NAME_LENGTH:
+        raise ValueError(f"is {len(value)} characters long; at most {MAX_NAME_LENGTH}")
+    return value
+
+
+DisplayName = Annotated[str, AfterValidator(check_display_name)]
+
 
 def lenient_enum(enum_cls: type[E]) -> Any:
     """An enum field that also takes the member's value or name as a string (any case).

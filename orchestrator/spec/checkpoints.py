@@ -6,7 +6,13 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from orchestrator.spec.base import FieldProblem, JobDirectory, SafeName, StrictModel
+from orchestrator.spec.base import (
+    DisplayName,
+    FieldProblem,
+    JobDirectory,
+    SafeName,
+    StrictModel,
+)
 
 # Baseten's default. On a shared node it would mix jobs, so orchestrator makes it job-private.
 DEFAULT_DOWNLOAD_FOLDER = "/tmp/loaded_checkpoints"
@@ -28,7 +34,7 @@ class _BasetenLatestCheckpoint(StrictModel):
 
     typ: Literal["baseten_latest_checkpoint"] = "baseten_latest_checkpoint"
     job_id: SafeName | None = None
-    project_name: SafeName | None = None
+    project_name: DisplayName | None = None  # the project's name or its id
 
 
 class _BasetenNamedCheckpoint(StrictModel):

@@ -23,6 +23,7 @@ from pydantic import (
 
 from orchestrator.spec.accelerators import AcceleratorSpec
 from orchestrator.spec.base import (
+    DisplayName,
     FieldProblem,
     JobDirectory,
     MemoryQuantity,
@@ -203,7 +204,7 @@ class TrainingJob(StrictModel):
     compute: Compute = Field(default_factory=Compute)
     runtime: Runtime = Field(default_factory=Runtime)
     interactive_session: InteractiveSession | None = None
-    name: SafeName | None = None
+    name: DisplayName | None = None
     priority: StrictInt | None = None
     workspace: Workspace | None = None
     weights: list[WeightsSource] = Field(default_factory=list)
@@ -240,6 +241,6 @@ class TrainingJob(StrictModel):
 class TrainingProject(StrictModel):
     """A named group of jobs; pushing a project runs its `job`."""
 
-    name: SafeName
+    name: DisplayName
     job: TrainingJob
     team_name: SafeName | None = None

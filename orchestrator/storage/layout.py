@@ -4,9 +4,13 @@ archives/<sha256>.tar                 code archives, content-addressed (re-pushe
 jobs/<job_id>/record.json             JobRecord, written once at submission
 jobs/<job_id>/status.json             JobStatus, rewritten on every change
 jobs/<job_id>/logs/<seq>.log          log segments, tagged lines, in order
+projects/<project_id>.json            ProjectRecord: a project's id and name
+projects/names/<sha256 of name>.json  the id a name was given (written last: the commit)
 """
 
 from __future__ import annotations
+
+import hashlib
 
 
 def archive(sha256: str) -> str:
@@ -31,3 +35,16 @@ def logs_dir(job_id: str) -> str:
 
 def log_segment(job_id: str, seq: int) -> str:
     return f"jobs/{job_id}/logs/{seq:08d}.log"
+
+
+def projects() -> str:
+    return "projects"
+
+
+def project(project_id: str) -> str:
+    return f"projects/{project_id}.json"
+
+
+def project_name(name: str) -> str:
+    """A name may hold any character: its path is a hash of it."""
+    return f"projects/names/{hashlib.sha256(name.encode()).hexdigest()}.json"

@@ -27,7 +27,8 @@ class JobRecord(_Record):
     """The job as submitted. Secrets appear only as references (the spec never holds values)."""
 
     job_id: str
-    project: str
+    project: str  # the name, as written
+    project_id: str | None = None  # None: stored before projects had ids (see project_key)
     team: str | None = None
     job_name: str | None = None
     created_at: float
@@ -42,6 +43,12 @@ class JobRecord(_Record):
     checkpoint_upload: UploadSettings = Field(default_factory=UploadSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)  # riding out outages
     notices: list[str] = Field(default_factory=list)
+
+    @property
+    def project_key(self) -> str:
+        """How storage paths name the job's project: its id (a record stored before projects
+        had ids: its name, which was a safe path segment then, and is that project's id)."""
+        return self.project_id or self.project
 
 
 class StatusEvent(_Record):
