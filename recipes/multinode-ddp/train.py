@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     verdict = torch.tensor([acc], dtype=torch.float64, device=device)
     dist.broadcast(verdict, src=0)
     acc = verdict.item()
+    # Drop DDP (its reducer holds gloo work) before the group goes: work still alive at
+    # interpreter exit can abort a finished run ("terminate called without an active exception").
+    del model, opt
     dist.destroy_process_group()
 
     if is_leader:
