@@ -60,6 +60,8 @@ while True:
 sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
 """
 LAST_LINES = 50
+SHELL_TIMEOUT_EXIT = 124  # as timeout(1)
+SHELL_OUTPUT_BYTES = 8 * 2**20  # the end of a longer output is kept
 
 
 def agent_name(job_id: str, rank: int) -> str:
@@ -82,6 +84,9 @@ class NodeAgent:
         self._mounts: list[tuple[Path, str]] = []  # weight mounts: link -> the cache's directory
         self._cache_mounts: CacheMounts | None = None
         self._holds_weights = False  # asked this node's cache for a set: release it at the end
+        # What the job's commands run with (environment with secrets, directory, masker), for
+        # `orchestrator shell`: set when they start, on this node only.
+        self._job_shell: tuple[dict[str, str], str, SecretMasker] | None = None
 
     def node_info(self) -> dict[str, Any]:
         import ray
@@ -231,6 +236,7 @@ class NodeAgent:
         full_env = {**node_env, **cache_env, **env, **group_env, **values}
         # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.
         full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
+        self._job_shell = (full_env, cwd, mask)
         last_lines: deque[str] = deque(maxlen=LAST_LINES)
         for command in commands:
             if self._stopping.is_set():
@@ -287,6 +293,27 @@ class NodeAgent:
             if ready:
                 return ray.get(ref)
         return None
+
+    def exec_in_job(self, command: str, timeout_s: float) -> dict[str, Any]:
+        """Run one shell command as the job's commands run (directory, environment, secrets);
+        its exit code (124 when it ran past `timeout_s`) and output, secrets masked."""
+        if self._job_shell is None:
+            raise RuntimeError(f"the job's commands have not started on rank {self.rank} yet")
+        env, cwd, mask = self._job_shell
+        process = subprocess.Popen(
+            ["/bin/sh", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, _ = process.communicate(timeout=timeout_s)
+            code = process.returncode
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            out, _ = process.communicate()
+            code = SHELL_TIMEOUT_EXIT
+        text = out[-SHELL_OUTPUT_BYTES:].decode(errors="replace")
+        return {"exit_code": code, "output": "".join(map(mask, text.splitlines(keepends=True)))}
 
     def stop(self, grace_s: float = 10.0) -> bool:
         """SIGTERM the running command's process group, SIGKILL what is left after `grace_s`.

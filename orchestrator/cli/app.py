@@ -14,6 +14,7 @@ from orchestrator.cli import (
     cmd_push,
     cmd_recreate,
     cmd_run,
+    cmd_shell,
     cmd_stop,
     cmd_validate,
     cmd_view,
@@ -40,6 +41,7 @@ app.command("view")(cmd_view.view)
 app.command("stop")(cmd_stop.stop)
 app.command("download")(cmd_download.download)
 app.command("run")(cmd_run.run)
+app.command("shell")(cmd_shell.shell)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(cache_app, name="cache")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import shlex
 import tarfile
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -151,6 +153,36 @@ class JobHandle:
             with tarfile.open(local) as tar:
                 tar.extractall(target, filter="data")
         return target
+
+    def exec(self, command: str, rank: int = 0, timeout_s: float = 600) -> tuple[int, str]:
+        """Run one shell command in the running job's rank `rank`, as its commands run (working
+        directory, environment, secrets resolved on the node and masked in the output); its
+        exit code and output. Goes through the Job API as a short Ray job: no SSH, no ports."""
+        from orchestrator.client.submit import remote_python
+        from orchestrator.controller.job_shell import NOT_RUN_EXIT, OUTPUT_MARKER
+
+        if self.status().is_terminal:
+            raise OrchestratorError(f"job {self.id} has ended ({self.status().value})")
+        client = self._client()
+        entrypoint = shlex.join([
+            remote_python(self.record.embedded_cluster), "-m", "orchestrator.controller.job_shell",
+            "--job-id", self.id, "--rank", str(rank), "--timeout", f"{timeout_s:g}", command,
+        ])  # fmt: skip
+        shell_id = f"{self.id}-shell-{uuid.uuid4().hex[:8]}"
+        client.submit_job(entrypoint=entrypoint, submission_id=shell_id, entrypoint_num_cpus=0,
+                          metadata={"orchestrator_shell_of": self.id})  # fmt: skip
+        deadline = time.monotonic() + timeout_s + 120
+        while not client.get_job_status(shell_id).is_terminal():
+            if time.monotonic() > deadline:
+                client.stop_job(shell_id)
+                raise OrchestratorError(f"the command on rank {rank} did not end in time")
+            time.sleep(POLL_S)
+        info, logs = client.get_job_info(shell_id), client.get_job_logs(shell_id)
+        code = info.driver_exit_code
+        if OUTPUT_MARKER not in logs or code is None or code == NOT_RUN_EXIT:
+            why = logs.strip().splitlines()[-1:] or [info.message or "no output"]
+            raise OrchestratorError(f"could not run a command in job {self.id}: {why[0]}")
+        return code, logs.split(OUTPUT_MARKER + "\n", 1)[1]
 
     def _client(self) -> Any:
         address = self.record.ray_address

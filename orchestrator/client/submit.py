@@ -96,12 +96,15 @@ def register_project(root: StorageRoot, name: str) -> ProjectRecord:
     return projects.ensure(name, legacy=legacy)
 
 
+def remote_python(embedded: bool) -> str:
+    """The interpreter a Ray job's entrypoint runs on the head node. The embedded cluster runs
+    here: this very interpreter, which has orchestrator installed. Any other cluster uses its own
+    `python` (or $ORCHESTRATOR_PYTHON)."""
+    return os.environ.get(REMOTE_PYTHON_ENV) or (sys.executable if embedded else "python")
+
+
 def controller_entrypoint(job_id: str, root: StorageRoot, connection: Connection) -> str:
-    # The embedded cluster runs the controller here: use this very interpreter, which has
-    # orchestrator installed. Any other cluster uses its own `python` (or $ORCHESTRATOR_PYTHON).
-    python = os.environ.get(REMOTE_PYTHON_ENV) or (
-        sys.executable if connection.embedded else "python"
-    )
+    python = remote_python(connection.embedded)
     return " ".join(
         shlex.quote(part)
         for part in (

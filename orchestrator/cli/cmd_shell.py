@@ -1,0 +1,39 @@
+"""`orchestrator shell --job-id ID [--rank N] -- CMD`: one command inside a running job."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from orchestrator.cli.options import JobId, StorageRootOption
+from orchestrator.client.api import get_job
+from orchestrator.errors import OrchestratorError, UnsupportedFeatureError
+
+
+def shell(
+    command: Annotated[
+        list[str] | None, typer.Argument(help="The command, after `--`: run by /bin/sh -c")
+    ] = None,
+    job_id: JobId = None,
+    rank: Annotated[int, typer.Option("--rank", min=0, help="Node rank")] = 0,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=1, help="Seconds before the command is killed")
+    ] = 600,
+    storage_root: StorageRootOption = None,
+) -> None:
+    """Run a command in a running job's rank, in its working directory and environment; exit
+    with the command's exit code."""
+    if not command:
+        raise UnsupportedFeatureError(
+            "an interactive shell (a terminal carried through Ray) is not built yet: give a "
+            "command after `--`, e.g. orchestrator shell --job-id ID -- nvidia-smi"
+        )
+    if not job_id:
+        raise OrchestratorError("shell needs --job-id: the job to run the command in")
+    job = get_job(job_id, storage_root=storage_root)
+    code, output = job.exec(" ".join(command), rank=rank, timeout_s=timeout)
+    sys.stdout.write(output)
+    sys.stdout.flush()
+    raise typer.Exit(code)
