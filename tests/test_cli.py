@@ -121,16 +121,18 @@ def test_push_refuses_features_orchestrator_cannot_honour(tmp_path):
             name="p",
             job=d.TrainingJob(
                 image=d.Image(base_image="x"),
-                interactive_session=d.InteractiveSession(
-                    trigger=d.InteractiveSessionTrigger.ON_STARTUP
-                ),
+                weights=[d.WeightsSource(
+                    source="s3://bucket/model", mount_location="/app/model",
+                    auth=d.WeightsAuth(auth_method="AWS_OIDC", aws_oidc_role_arn="arn:x",
+                                       aws_oidc_region="us-east-1"),
+                )],
             ),
         )
         """,
     )
     result = run_cli("push", config, "--dry-run")
     assert result.returncode == 1
-    assert "interactive_session trigger on_startup" in result.stderr
+    assert "weights[0].auth: AWS_OIDC is Baseten's cloud identity" in result.stderr
 
 
 def test_init_writes_a_starter_that_validates(tmp_path):

@@ -10,6 +10,7 @@ from rich.console import Console
 from orchestrator.cli import (
     cmd_download,
     cmd_init,
+    cmd_isession,
     cmd_logs,
     cmd_push,
     cmd_recreate,
@@ -42,6 +43,7 @@ app.command("stop")(cmd_stop.stop)
 app.command("download")(cmd_download.download)
 app.command("run")(cmd_run.run)
 app.command("shell")(cmd_shell.shell)
+app.command("isession")(cmd_isession.isession)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(cache_app, name="cache")

@@ -142,6 +142,7 @@ def _job_detail(job: JobHandle) -> dict:
             [e.model_dump(mode="json") for e in summary.entries] if summary else []
         ),
         "checkpoint_problems": summary.problems() if summary else [],
+        "held_until": details.held_until,
         "notices": job.record.notices,
     }
 

@@ -15,6 +15,7 @@ from typing import Any
 from orchestrator.client.connection import Connection
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
+from orchestrator.storage import layout
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest, ManifestFile
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.logs import read_logs
@@ -153,6 +154,20 @@ class JobHandle:
             with tarfile.open(local) as tar:
                 tar.extractall(target, filter="data")
         return target
+
+    def update_session(self, minutes: float) -> float:
+        """Hold the job's nodes until `minutes` from now once its commands end (or longer, if
+        its interactive_session already does): `truss train isession --update-timeout`."""
+        if self.record.spec.job.interactive_session is None:
+            raise OrchestratorError(
+                f"job {self.id} has no interactive_session in its config: set one (trigger "
+                "on_demand holds the nodes only when asked) and push again"
+            )
+        if self.status().is_terminal:
+            raise OrchestratorError(f"job {self.id} has ended ({self.status().value})")
+        until = time.time() + minutes * 60
+        self._store.root.write_json(layout.session(self.id), {"held_until": until})
+        return until
 
     def exec(self, command: str, rank: int = 0, timeout_s: float = 600) -> tuple[int, str]:
         """Run one shell command in the running job's rank `rank`, as its commands run (working

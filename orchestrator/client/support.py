@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from orchestrator.errors import ConfigError, UnsupportedFeatureError
-from orchestrator.spec.training import AvailabilityModel, InteractiveSessionTrigger, TrainingJob
+from orchestrator.spec.training import AvailabilityModel, TrainingJob
 from orchestrator.spec.weights import WeightsAuthMethod
 
 
@@ -61,15 +61,11 @@ def check_support(job: TrainingJob) -> SupportReport:
     notices: list[str] = []
     session = job.interactive_session
     if session is not None:
-        if session.trigger == InteractiveSessionTrigger.ON_DEMAND:
-            notices.append(
-                "interactive_session (on_demand) is ignored: there are no remote editor sessions"
-            )
-        else:
-            errors.append(
-                f"interactive_session trigger {session.trigger.value} needs Baseten's remote "
-                "editor sessions; remove interactive_session or use trigger=on_demand"
-            )
+        notices.append(
+            f"interactive_session ({session.trigger.value}): the nodes are held for "
+            f"{session.timeout_minutes} min as the trigger says; reach them with `orchestrator "
+            f"shell --job-id ID -- CMD` (no {session.session_provider.value} remote editor here)"
+        )
     for i, w in enumerate(job.weights):
         if w.auth and w.auth.auth_method != WeightsAuthMethod.CUSTOM_SECRET:
             errors.append(

@@ -32,6 +32,7 @@ from orchestrator.controller.checkpointing import (
 )
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
+from orchestrator.controller.session import hold_until, requested_until
 from orchestrator.controller.training_cache import (
     affinity_selector,
     cache_enabled,
@@ -66,6 +67,7 @@ STOP_FLUSH_S = 40.0  # within the 60 s RAY_JOB_STOP_WAIT_TIME_S, after the comma
 RESULT_WAIT_S = 5.0  # for a stopped rank's result to come through its stream
 STORED_WAIT_S = 10.0  # a transition waits this long to be stored (not at all in an outage)
 STOPPED_CLOSE_S = 5.0  # what a stopped job's journal has left of Ray's stop grace
+SESSION_POLL_S = 1.0  # a held job looks for `isession` requests and a stop this often
 
 
 class JobStopped(Exception):
@@ -112,6 +114,7 @@ class JobController:
         self.weight_sets: list[dict[str, Any]] = []  # mirrored sets, in the order of `weights`
         self.cache_affinity: str | None = None
         self.results: list[_RankResult] = []  # one per rank once the commands start
+        self.running_since = 0.0
 
     # --- state -----------------------------------------------------------------------------
 
@@ -375,6 +378,7 @@ class JobController:
         }
         results = self.results = [_RankResult(rank) for rank in range(len(self.agents))]
         self.move(JobState.RUNNING, f"running {len(job.runtime.start_commands)} command(s)")
+        self.running_since = time.time()
         for node, agent, result in zip(nodes, self.agents, results, strict=True):
             stream = agent.run_commands.options(num_returns="streaming").remote(
                 job.runtime.start_commands,
@@ -399,11 +403,39 @@ class JobController:
             time.sleep(POLL_S)
         failed = next((r for r in results if r.done.is_set() and _failed(r)), None)
         if failed is None and over_volume is None:
+            self._hold_for_session(failed=False, why="all commands exited 0")
             self._finish(JobState.COMPLETED, "all commands exited 0")
             return
         self._stop_agents()
         failure = _failure_of(failed) if failed is not None else Failure(cause=str(over_volume))
+        self._hold_for_session(failed=True, why=failure.cause)
         self._finish(JobState.FAILED, failure.cause, failure=failure)
+
+    def _hold_for_session(self, failed: bool, why: str) -> None:
+        """Keep the nodes, their files and agents, as the interactive session asks; until its
+        time is up (an `isession` request extends it) or the job is stopped."""
+        session = self.record.spec.job.interactive_session
+        root, job_id = self.store.root, self.record.job_id
+        until = hold_until(
+            session, failed, self.running_since, requested_until(root, job_id), time.time()
+        )
+        shown = None
+        while until is not None and time.time() < until and not self.stop_requested.is_set():
+            if until != shown:
+                clock = time.strftime("%H:%M:%S", time.localtime(until))
+                self.move(
+                    JobState.RUNNING,
+                    f"held for an interactive session until {clock} ({why}): orchestrator "
+                    f"shell --job-id {job_id} -- CMD",
+                    held_until=until,
+                )
+                shown = until
+            time.sleep(SESSION_POLL_S)
+            until = max(until, requested_until(root, job_id) or 0)
+        if shown is not None:
+            how = "stopped" if self.stop_requested.is_set() else "its time is up"
+            self.say(f"interactive session over ({how}): releasing the nodes")
+            self.status = self.status.model_copy(update={"held_until": None})
 
     def _finish(self, state: JobState, reason: str, **updates: Any) -> None:
         """Flush the checkpoints still on the nodes and write the cache back, then record the

@@ -37,6 +37,11 @@ def log_segment(job_id: str, seq: int) -> str:
     return f"jobs/{job_id}/logs/{seq:08d}.log"
 
 
+def session(job_id: str) -> str:
+    """What a user asked of the job's interactive session (`orchestrator isession`)."""
+    return f"jobs/{job_id}/session.json"
+
+
 def projects() -> str:
     return "projects"
 

@@ -197,6 +197,7 @@ class JobStatus(_Record):
     failure: Failure | None = None
     nodes: list[NodeInfo] = Field(default_factory=list)
     checkpoints: CheckpointSummary | None = None
+    held_until: float | None = None  # an interactive session holds the nodes until then
     weights: list[WeightsStatus] = Field(default_factory=list)
     cache: CacheStatus | None = None
 

@@ -1,0 +1,133 @@
+"""Interactive sessions on your own cluster: nodes held after the commands, reached with `shell`.
+
+Real jobs on the session's Ray: `on_failure` keeps a failed job's nodes and files for its
+timeout and then releases everything; `on_startup` holds until stopped; `on_demand` holds only
+when `isession --update-timeout` asks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import make_job
+from ray.util.state import list_actors, list_placement_groups
+
+from orchestrator.client.api import push
+from orchestrator.client.jobs import JobHandle
+from orchestrator.errors import OrchestratorError
+from orchestrator.lifecycle import JobState
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+CONFIG = """
+from orchestrator import definitions as d
+project = d.TrainingProject(
+    name="sessions",
+    job=d.TrainingJob(
+        image=d.Image(base_image="python:3.11"),
+        compute=d.Compute(memory="512Mi"),
+        runtime=d.Runtime(start_commands=["python train.py"],
+                          checkpointing_config=d.CheckpointingConfig(enabled=True)),
+        interactive_session={session},
+    ),
+)
+"""
+
+TRAIN = """
+import os, pathlib, sys, time
+(pathlib.Path(os.environ["BT_CHECKPOINT_DIR"]) / "note.txt").write_text("left by the job")
+signal = pathlib.Path({signal!r})
+while {wait} and not signal.exists():
+    time.sleep(0.1)
+print("done", flush=True)
+sys.exit({code})
+"""
+
+
+def session_job(tmp_path, session: str, code: int = 0, wait: bool = False) -> JobHandle:
+    train = TRAIN.format(signal=str(tmp_path / "go"), wait=wait, code=code)
+    config = make_job(tmp_path / "job", CONFIG.format(session=session), {"train.py": train})
+    return push(config, storage_root=str(tmp_path / "storage"))
+
+
+def wait_held(job: JobHandle, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while job.details().held_until is None:
+        assert time.monotonic() < deadline, job.logs()[-10:]
+        assert not job.status().is_terminal, job.logs()[-10:]
+        time.sleep(0.2)
+
+
+def released(job: JobHandle, cluster) -> bool:
+    groups = list_placement_groups(address=cluster.dashboard_url, detail=True)
+    actors = list_actors(address=cluster.dashboard_url, detail=True)
+    name = f"orchestrator-{job.id}"
+    return all(g.state == "REMOVED" for g in groups if g.name == name) and all(
+        a.state == "DEAD" for a in actors if (a.name or "").startswith(name)
+    )
+
+
+def test_on_failure_keeps_the_nodes_for_its_timeout_then_releases_everything(tmp_path, ray_cluster):
+    job = session_job(tmp_path, 'd.InteractiveSession(trigger="on_failure", timeout_minutes=1)',
+                      code=7)  # fmt: skip
+    wait_held(job)
+    held = job.details()
+    assert held.state == JobState.RUNNING
+    assert "held for an interactive session until" in held.history[-1].reason
+    assert "exited with code 7" in held.history[-1].reason
+    code, output = job.exec("cat $BT_CHECKPOINT_DIR/note.txt")
+    assert (code, output) == (0, "left by the job")
+    assert not released(job, ray_cluster)
+
+    assert job.wait(timeout=120) == JobState.FAILED
+    assert job.details().failure.exit_code == 7
+    ended = job.details().history[-1].at
+    assert ended - held.history[-1].at >= 55  # held for the minute it asked
+    deadline = time.monotonic() + 30
+    while not released(job, ray_cluster):
+        assert time.monotonic() < deadline, "a held job left its nodes reserved"
+        time.sleep(0.5)
+
+
+def test_on_startup_holds_the_nodes_until_stopped(tmp_path, ray_cluster):
+    job = session_job(tmp_path, 'd.InteractiveSession(trigger="on_startup")')
+    wait_held(job)
+    assert any(line.endswith("] done") for line in job.logs())  # the commands have ended
+    assert job.exec("echo still here") == (0, "still here\n")
+    assert job.stop() == JobState.COMPLETED  # stop ends the session; the commands' outcome stays
+    deadline = time.monotonic() + 30
+    while not released(job, ray_cluster):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def test_on_demand_holds_only_when_asked(tmp_path, ray_cluster):
+    job = session_job(tmp_path, 'd.InteractiveSession(trigger="on_demand")', wait=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "isession", "--job-id", job.id,
+         "--update-timeout", "0.25", "--storage-root", job.record.storage_root],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "its nodes stay until" in result.stdout
+    (tmp_path / "go").touch()
+    wait_held(job)
+    assert job.wait(timeout=60) == JobState.COMPLETED
+    held = [
+        e for e in job.details().history if "held for an interactive session" in (e.reason or "")
+    ]
+    assert held and job.details().history[-1].at - held[0].at >= 5
+
+
+def test_isession_needs_an_interactive_session_in_the_config(tmp_path):
+    job = session_job(tmp_path, "None", wait=True)
+    try:
+        with pytest.raises(OrchestratorError, match="has no interactive_session"):
+            job.update_session(5)
+    finally:
+        (tmp_path / "go").touch()
+        assert job.wait(timeout=60) == JobState.COMPLETED
+    assert job.details().held_until is None
