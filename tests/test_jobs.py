@@ -136,11 +136,12 @@ def test_stop_ends_the_processes_and_removes_the_placement_group(
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the training process outlived stop"
         time.sleep(0.2)
-    groups = list_placement_groups(address=ray_cluster.dashboard_url, detail=True)
-    ours = [g for g in groups if g.name == f"orchestrator-{job.id}"]
+    # Filtered by name: a session's cluster holds more than the state API's default 100 rows.
+    ours = list_placement_groups(address=ray_cluster.dashboard_url, detail=True,
+                                 filters=[("name", "=", f"orchestrator-{job.id}")])  # fmt: skip
     assert ours and all(g.state == "REMOVED" for g in ours)
-    agents = list_actors(address=ray_cluster.dashboard_url, detail=True)
-    ours = [a for a in agents if a.name == f"orchestrator-{job.id}-rank-0"]
+    ours = list_actors(address=ray_cluster.dashboard_url, detail=True,
+                       filters=[("name", "=", f"orchestrator-{job.id}-rank-0")])  # fmt: skip
     assert ours and all(a.state == "DEAD" for a in ours)
     assert job.details().history[-1].reason == "stopped by user"
     scratch = next(line for line in job.logs() if "SCRATCH " in line).split("SCRATCH ")[1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -93,10 +94,18 @@ def test_a_job_rides_out_a_storage_outage(tmp_path, s3_outage: S3Server, ray_clu
     tail = cli("logs", "--job-id", job.id, "--tail", "--storage-root", root_url)
     wait_for_step(job, 4)
     s3_outage.down()
+    down_at = time.monotonic()
     try:
         time.sleep(6)
         view = cli("view", "--job-id", job.id, "--storage-root", root_url)
-        time.sleep(14)
+        view_err: list[str] = []
+        reader = threading.Thread(target=lambda: view_err.extend(view.stderr), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60  # a loaded machine starts the CLI slowly
+        while not any("unreachable since" in line for line in view_err):
+            assert time.monotonic() < deadline, view_err
+            time.sleep(0.2)
+        time.sleep(max(0.0, 20 - (time.monotonic() - down_at)))  # 20 s at least
     finally:
         s3_outage.up()
     assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()[-20:]
@@ -113,9 +122,10 @@ def test_a_job_rides_out_a_storage_outage(tmp_path, s3_outage: S3Server, ray_clu
     tailed = re.findall(r"\bstep (\d\d)$", out, flags=re.M)
     assert tailed == [f"{i:02d}" for i in range(80)]
     assert "unreachable since" in err and "reachable again" in err
-    out, err = view.communicate(timeout=60)
-    assert view.returncode == 0, err
-    assert job.id in out and "unreachable since" in err
+    out, _ = view.communicate(timeout=60)
+    reader.join(timeout=10)
+    assert view.returncode == 0, view_err
+    assert job.id in out and any("reachable again" in line for line in view_err)
 
 
 def test_an_outage_as_the_job_ends_loses_nothing(
