@@ -175,6 +175,8 @@ def test_a_config_that_does_not_finish_loading_is_stopped_at_the_time_limit(tmp_
         load_config(config)
     assert time.monotonic() - started < 10
     assert "did not finish loading in 1.5 s (ORCHESTRATOR_CONFIG_LOAD_TIMEOUT_S)" in str(info.value)
+    # The abandoned config still sleeps: Baseten's import paths must not stay importable.
+    assert not {"truss", "truss_train"} & set(sys.modules)
     monkeypatch.setenv("ORCHESTRATOR_CONFIG_LOAD_TIMEOUT_S", "never")
     with pytest.raises(ConfigError, match="ORCHESTRATOR_CONFIG_LOAD_TIMEOUT_S must be a number"):
         load_config(write_config(tmp_path / "other", ""))

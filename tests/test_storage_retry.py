@@ -17,6 +17,7 @@ from botocore.exceptions import ClientError
 from conftest import S3Server
 
 from orchestrator.lifecycle import JobState
+from orchestrator.storage.checkpoints import CheckpointChanged, CheckpointStore
 from orchestrator.storage.journal import JobJournal, LineSpool
 from orchestrator.storage.logs import read_logs
 from orchestrator.storage.records import JobStatus
@@ -39,7 +40,7 @@ def _error_of(fn) -> BaseException:
     raise AssertionError("no error")
 
 
-def test_which_storage_errors_pass(s3_outage: S3Server, tmp_path: Path) -> None:
+def test_which_storage_errors_pass(s3_outage: S3Server) -> None:
     root = _bucket_root()
     bucket = root.url.split("/")[2]
     s3_outage.down()
@@ -63,18 +64,20 @@ def test_which_storage_errors_pass(s3_outage: S3Server, tmp_path: Path) -> None:
                           "ResponseMetadata": {"HTTPStatusCode": 403}}, "PutObject")  # fmt: skip
     assert not is_transient(denied)
     assert not is_transient(OSError(errno.ENOSPC, "No space left on device"))
-    readonly = tmp_path / "readonly"
-    readonly.mkdir(mode=0o500)
-    if not _error_free(lambda: (readonly / "f").write_text("x")):  # root ignores modes
-        assert not is_transient(_error_of(lambda: (readonly / "f").write_text("x")))
+    assert not is_transient(PermissionError(errno.EACCES, "Permission denied"))
 
 
-def _error_free(fn) -> bool:
-    try:
-        fn()
-    except OSError:
-        return False
-    return True
+def test_an_upload_into_a_deleted_bucket_says_so_not_that_a_file_vanished(
+    s3_server: str, tmp_path: Path
+) -> None:
+    root = _bucket_root()
+    local = tmp_path / "checkpoint-1"
+    local.mkdir()
+    (local / "model.bin").write_bytes(b"weights")
+    root.fs.rm(root.url.split("/")[2], recursive=True)
+    with pytest.raises(FileNotFoundError, match="bucket does not exist") as info:
+        CheckpointStore(root).upload(local, "p", "j", 0)
+    assert not isinstance(info.value, CheckpointChanged)
 
 
 def test_a_call_rides_out_an_outage_and_says_so_twice(s3_outage: S3Server) -> None:
@@ -118,7 +121,7 @@ def test_an_outage_past_its_budget_is_an_error_that_says_how_long(s3_outage: S3S
     assert "unreachable since" in str(error) and root.url in str(error)
 
 
-def test_a_permanent_error_is_raised_at_once(tmp_path: Path) -> None:
+def test_a_permanent_error_is_raised_at_once(s3_server: str) -> None:
     root = _bucket_root()
     root.fs.rm(root.url.split("/")[2], recursive=True)
     retry = StorageRetry(root.url, budget_s=600, say=pytest.fail)
@@ -207,7 +210,7 @@ def test_a_journal_that_cannot_store_keeps_the_lines_on_this_machine(
 
 
 def test_a_deleted_bucket_is_said_once_and_storing_resumes_when_it_is_back(
-    tmp_path: Path,
+    s3_server: str, tmp_path: Path
 ) -> None:
     root = _bucket_root()
     bucket = root.url.split("/")[2]

@@ -34,11 +34,8 @@ def _latest_record(project: str, storage_root: str | None) -> JobRecord | None:
 
 
 def _key(project: str, storage_root: str | None) -> str:
-    """The project's id, which its cache is stored under; a name no job has used stays as it
-    is (its cache is empty)."""
-    latest = _latest_record(project, storage_root)
-    if latest is not None:
-        return latest.project_key
+    """The project's id, which its cache is stored under. A project not registered is one
+    pushed before ids existed, whose cache is under its name."""
     found = ProjectStore(storage(storage_root)).resolve(project)
     return found.id if found else project
 

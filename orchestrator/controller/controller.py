@@ -415,6 +415,8 @@ class JobController:
         """Keep the nodes, their files and agents, as the interactive session asks; until its
         time is up (an `isession` request extends it) or the job is stopped."""
         session = self.record.spec.job.interactive_session
+        if session is None:  # `isession` refuses such a job: nothing to read
+            return
         root, job_id = self.store.root, self.record.job_id
         until = hold_until(
             session, failed, self.running_since, requested_until(root, job_id), time.time()
