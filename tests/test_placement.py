@@ -37,7 +37,13 @@ def test_shortfall_names_what_is_missing():
     reason = describe_shortfall(bundle, 4, nodes)
     assert reason.startswith("needs 4 nodes with CPU 4, memory 2.0 GiB, GPU 8, accelerator H100")
     assert "0 of 2 alive nodes have that much in total" in reason
-    assert "accelerator H100 (none)" in reason
+    assert "(no node has H100 GPUs; the cluster has A100)" in reason
+
+
+def test_shortfall_names_the_gpus_the_largest_node_lacks():
+    bundle = bundles_for(d.Compute(cpu_count=1, accelerator="H100:2"))[0]
+    reason = describe_shortfall(bundle, 1, [node(cpu=16, gpu=1, **{"accelerator_type:H100": 1})])
+    assert reason.endswith("(the largest has only GPU 1)")
 
 
 def test_shortfall_when_the_resources_exist_but_are_busy():

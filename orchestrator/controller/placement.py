@@ -47,10 +47,26 @@ def describe_shortfall(bundle: dict[str, float], count: int, nodes: list[dict[st
     if fitting and len(fitting) >= count:
         message += " but their resources are in use by other work"
     elif not fitting:
-        best = max(alive, key=lambda n: n.get("Resources", {}).get("CPU", 0))
-        have = best.get("Resources", {})
-        short = [_show(k, have.get(k, 0)) for k, v in bundle.items() if have.get(k, 0) < v]
-        message += f" (the largest has only {', '.join(short)})"
+        wanted_type = next((k for k in bundle if k.startswith(ACCELERATOR_RESOURCE_PREFIX)), None)
+        if wanted_type and not any(wanted_type in n.get("Resources", {}) for n in alive):
+            prefix = len(ACCELERATOR_RESOURCE_PREFIX)
+            types = sorted(
+                {
+                    k[prefix:]
+                    for n in alive
+                    for k in n.get("Resources", {})
+                    if k[:prefix] == wanted_type[:prefix]
+                }
+            )
+            message += (
+                f" (no node has {wanted_type[prefix:]} GPUs; "
+                f"the cluster has {', '.join(types) or 'no GPUs'})"
+            )
+        else:
+            best = max(alive, key=lambda n: n.get("Resources", {}).get("CPU", 0))
+            have = best.get("Resources", {})
+            short = [_show(k, have.get(k, 0)) for k, v in bundle.items() if have.get(k, 0) < v]
+            message += f" (the largest has only {', '.join(short)})"
     return message
 
 

@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"rank {rank}/{world_size}: node_rank={_env('NODE_RANK', 'BT_NODE_RANK', 'GROUP_RANK')} "
         f"local_rank={_env('LOCAL_RANK')} backend={dist.get_backend()} device={device} "
-        f"master={_env('MASTER_ADDR')}:{_env('MASTER_PORT')} threads={threads}",
+        f"master={_env('MASTER_ADDR')}:{_env('MASTER_PORT')} threads={threads} "
+        f"CUDA_VISIBLE_DEVICES={_env('CUDA_VISIBLE_DEVICES')}"
+        + (f" gpu={torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
         flush=True,
     )
 

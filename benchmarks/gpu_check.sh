@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The recipes on a real GPU machine, through the CLI and the embedded local Ray, as a user runs them.
+#
+# 1. the main command's job (recipes/mnist-pytorch) as it is;
+# 2. recipes/multinode-ddp on one node with accelerator H100:1 (nccl on cuda:0): the job's line
+#    must show CUDA_VISIBLE_DEVICES set by Ray and the GPU's name, and nvidia-smi must see the
+#    trainer's process while it runs; its checkpoints must be listed as uploaded;
+# 3. a job asking for more GPUs than the machine has, and one asking for another accelerator
+#    type: each must end DEPLOY_FAILED with the shortfall named.
+#
+# Usage: benchmarks/gpu_check.sh [WHEEL_DIR]   (results under $OUT, or /tmp/gpu-check)
+# WHEEL_DIR: wheels of what the machine lacks (Ray, pydantic, ...), installed into /tmp/site; the
+# device tool's README says how to download them. Ray's wheel is over the 64 MiB a call carries:
+# repack it without ray/jars and ray/rllib (Java and RLlib, unused here).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/gpu-check}"
+mkdir -p "$out"
+wheels="${1:-.whl}"
+if [ -d "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"
+fi
+export ORCHESTRATOR_SCHEDULING_TIMEOUT_S=20 PYTHONUNBUFFERED=1
+orch() { python3 -c 'import sys; from orchestrator.cli.app import main; sys.argv[0] = "orchestrator"; main()' "$@"; }
+step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
+
+step "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, ray, pydantic; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "ray", ray.__version__, "pydantic", pydantic.VERSION)'
+
+step "1. main job: recipes/mnist-pytorch"
+start=$(date +%s%N)
+orch push recipes/mnist-pytorch/config.py --tail 2>&1 | tee "$out/mnist.log" | tail -n 6
+echo "exit ${PIPESTATUS[0]}; push -> end $(( ($(date +%s%N) - start) / 1000000 )) ms"
+orch cluster status
+
+step "2. multinode-ddp on accelerator H100:1"
+job=/tmp/ddp-gpu
+mkdir -p "$job" && cp recipes/multinode-ddp/run.sh recipes/multinode-ddp/train.py "$job"/
+sed -e 's/node_count=2,/node_count=1,/' \
+    -e 's/# accelerator=definitions.AcceleratorSpec(accelerator="H100", count=8)/accelerator=definitions.AcceleratorSpec(accelerator="H100", count=1)/' \
+    -e 's/name="multinode-ddp"/name="ddp-gpu"/' \
+    -e "s/\&\& \.\/run\.sh'/\&\& .\/run.sh --epochs 30'/" \
+    recipes/multinode-ddp/config.py > "$job/config.py"
+grep -n "accelerator=\|node_count\|run.sh" "$job/config.py"
+(while sleep 0.5; do nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader; done) \
+  > "$out/nvidia-smi-apps.log" 2>&1 &
+watcher=$!
+start=$(date +%s%N)
+orch push "$job/config.py" --tail 2>&1 | tee "$out/ddp-gpu.log" | grep -v "^\s*$" | tail -n 14
+echo "exit ${PIPESTATUS[0]}; push -> end $(( ($(date +%s%N) - start) / 1000000 )) ms"
+kill "$watcher"
+echo "nvidia-smi saw on the GPU while the job ran:"; sort -u "$out/nvidia-smi-apps.log" | head -n 5
+grep -o "CUDA_VISIBLE_DEVICES=[^ ]*\|gpu=.*\|backend=[a-z]*" "$out/ddp-gpu.log" | sort | uniq -c
+orch checkpoints list --project ddp-gpu 2>&1 | tail -n 8
+
+step "3. more GPUs than the machine has (H100:2), and another type (A100:1)"
+for acc in H100:2 A100:1; do
+  orch push "$job/config.py" --accelerator "$acc" --tail 2>&1 | grep -v "^\s*$" | tail -n 4
+  echo "exit ${PIPESTATUS[0]}"
+done
+
+step "view"
+orch view --all 2>&1 | tail -n 8
+orch cluster stop
