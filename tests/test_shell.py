@@ -1,13 +1,19 @@
-"""`orchestrator shell -- CMD`: a command inside a running job, through the Job API only."""
+"""`orchestrator shell`: an interactive shell on a real PTY (through Ray Client), and one command
+(through the Job API), inside a running job."""
 
 from __future__ import annotations
 
+import io
+import os
+import signal
 import subprocess
 import sys
 import time
 
+import pexpect
+import psutil
 import pytest
-from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, make_job
+from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, eventually, make_job
 
 from orchestrator.client.api import push
 from orchestrator.lifecycle import JobState
@@ -39,17 +45,97 @@ time.sleep(600)
 """
 
 
+@pytest.fixture(scope="module")
+def running_job(ray_cluster, tmp_path_factory):
+    """One job for the module: it writes a file into its checkpoint dir and waits to be stopped."""
+    tmp = tmp_path_factory.mktemp("shell")
+    storage_root = str(tmp / "storage")
+    job = push(make_job(tmp / "job", CONFIG, {"train.py": TRAIN}), storage_root=storage_root)
+    eventually(
+        lambda: any(line.endswith("] up") for line in job.logs()), "the job's first line", 60
+    )
+    yield job, storage_root
+    if not job.status().is_terminal:
+        job.stop()
+
+
+def attach(job, storage_root: str, **env: str) -> pexpect.spawn:
+    """`orchestrator shell --job-id ID` on a pseudo-terminal of 33 rows and 101 columns."""
+    terminal = pexpect.spawn(
+        sys.executable, ["-m", "orchestrator", "shell", "--job-id", job.id,
+                         "--storage-root", storage_root],
+        env={**os.environ, **env}, dimensions=(33, 101), timeout=60,
+    )  # fmt: skip
+    terminal.logfile_read = io.BytesIO()
+    # The quotes keep the prompt out of the echoed command line.
+    terminal.sendline("PS1='orch''> '")
+    terminal.expect_exact("orch> ")
+    return terminal
+
+
+def test_an_interactive_shell_is_a_real_terminal_in_the_job(running_job):
+    job, storage_root = running_job
+    terminal = attach(job, storage_root)
+    terminal.sendline("tty; stty size; echo lr=$LR token=$API_TOKEN; pwd")
+    terminal.expect(r"/dev/pts/\d+")
+    terminal.expect_exact("33 101")  # the laptop's window size
+    terminal.expect_exact("lr=0.1 token=*****")  # resolved on the node, masked on the way out
+    terminal.expect_exact(job.details().nodes[0].working_dir)
+    terminal.expect_exact("orch> ")
+
+    terminal.setwinsize(40, 120)  # the window is resized: the shell's programs see the new size
+    deadline = time.monotonic() + 30
+    while True:
+        terminal.sendline("stty size")
+        if terminal.expect_exact(["40 120", "33 101"]) == 0:
+            break
+        assert time.monotonic() < deadline, "the new window size never reached the node"
+
+    # Ctrl-C interrupts the foreground program, not the shell.
+    terminal.sendline("echo started-$((2+3)); sleep 300; echo not-interrupted")
+    terminal.expect_exact("started-5")
+    terminal.sendcontrol("c")
+    terminal.expect_exact("orch> ", timeout=30)
+    terminal.sendline("echo rc=$?")
+    terminal.expect_exact("rc=130")
+
+    terminal.sendline("exit 7")
+    terminal.expect(pexpect.EOF)
+    terminal.close()
+    assert terminal.exitstatus == 7
+    output = terminal.logfile_read.getvalue().decode(errors="replace")
+    assert "\nnot-interrupted" not in output  # (the echoed command line has it)
+    assert NODE_SECRET_VALUE not in output
+
+
+def test_a_shell_whose_client_is_gone_ends_with_everything_it_started(running_job):
+    job, storage_root = running_job
+    terminal = attach(job, storage_root, ORCHESTRATOR_TERMINAL_LOST_S="3")
+    terminal.sendline("sleep 1000 & echo pids=$!,$$")
+    terminal.expect(r"pids=(\d+),(\d+)")
+    pids = [int(pid) for pid in terminal.match.groups()]
+    assert all(psutil.pid_exists(pid) for pid in pids)
+    terminal.kill(signal.SIGKILL)  # the laptop vanishes without a word
+    terminal.close()
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    eventually(lambda: all(gone(pid) for pid in pids), "the abandoned shell to end", 30)
+    assert not job.status().is_terminal  # the job itself runs on
+
+
 def shell(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "orchestrator", "shell", *args],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
-def test_a_command_runs_in_the_job_with_its_files_and_environment(tmp_path, storage_root):
-    job = push(make_job(tmp_path / "job", CONFIG, {"train.py": TRAIN}), storage_root=storage_root)
-    deadline = time.monotonic() + 60
-    while not any(line.endswith("] up") for line in job.logs()):
-        assert time.monotonic() < deadline, job.logs()
-        time.sleep(0.2)
+def test_a_command_runs_in_the_job_with_its_files_and_environment(running_job):
+    """Runs last: it stops the module's job."""
+    job, storage_root = running_job
     try:
         command = ("cat $BT_CHECKPOINT_DIR/note.txt; echo; echo lr=$LR token=$API_TOKEN; pwd; "
                    "exit 3")  # fmt: skip
@@ -67,8 +153,6 @@ def test_a_command_runs_in_the_job_with_its_files_and_environment(tmp_path, stor
         slow = shell("--job-id", job.id, "--timeout", "1", "--storage-root", storage_root,
                      "--", "echo started; sleep 30")  # fmt: skip
         assert slow.returncode == 124 and slow.stdout == "started\n"  # killed, as timeout(1)
-        bare = shell("--job-id", job.id, "--storage-root", storage_root)
-        assert bare.returncode == 1 and "not built yet" in bare.stderr
     finally:
         assert job.stop() == JobState.STOPPED
     ended = shell("--job-id", job.id, "--storage-root", storage_root, "--", "true")

@@ -23,10 +23,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import ray
+
 from orchestrator.agents.node_root import job_node_dir
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
 from orchestrator.agents.services import actor_alive
+from orchestrator.agents.terminal import Terminals
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS
@@ -62,6 +65,8 @@ sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
 LAST_LINES = 50
 SHELL_TIMEOUT_EXIT = 124  # as timeout(1)
 SHELL_OUTPUT_BYTES = 8 * 2**20  # the end of a longer output is kept
+TERMINAL_GROUP = "terminal"  # the agent's concurrency group for terminals
+TERMINAL_THREADS = 8  # two per open terminal (its output long-poll and its input)
 
 
 def agent_name(job_id: str, rank: int) -> str:
@@ -87,6 +92,7 @@ class NodeAgent:
         # What the job's commands run with (environment with secrets, directory, masker), for
         # `orchestrator shell`: set when they start, on this node only.
         self._job_shell: tuple[dict[str, str], str, SecretMasker] | None = None
+        self._terminals = Terminals()  # `orchestrator shell` without a command
 
     def node_info(self) -> dict[str, Any]:
         import ray
@@ -315,6 +321,36 @@ class NodeAgent:
         text = out[-SHELL_OUTPUT_BYTES:].decode(errors="replace")
         return {"exit_code": code, "output": "".join(map(mask, text.splitlines(keepends=True)))}
 
+    # Terminals have their own threads (TERMINAL_GROUP): a client long-polling for output never
+    # holds up `stop` or the commands' stream.
+    @ray.method(concurrency_group=TERMINAL_GROUP)
+    def terminal_open(self, rows: int, cols: int, term: str, lost_after_s: float) -> str:
+        """Start a shell on a PTY as the job's commands run (directory, environment, secrets);
+        its terminal id."""
+        if self._job_shell is None:
+            raise RuntimeError(f"the job's commands have not started on rank {self.rank} yet")
+        env, cwd, mask = self._job_shell
+        return self._terminals.open(
+            env=env, cwd=cwd, masker=mask, rows=rows, cols=cols, term=term,
+            lost_after_s=lost_after_s,
+        )  # fmt: skip
+
+    @ray.method(concurrency_group=TERMINAL_GROUP)
+    def terminal_read(self, terminal_id: str, wait_s: float) -> tuple[bytes, int | None]:
+        return self._terminals.read(terminal_id, wait_s)
+
+    @ray.method(concurrency_group=TERMINAL_GROUP)
+    def terminal_write(self, terminal_id: str, data: bytes) -> None:
+        self._terminals.get(terminal_id).write(data)
+
+    @ray.method(concurrency_group=TERMINAL_GROUP)
+    def terminal_resize(self, terminal_id: str, rows: int, cols: int) -> None:
+        self._terminals.get(terminal_id).resize(rows, cols)
+
+    @ray.method(concurrency_group=TERMINAL_GROUP)
+    def terminal_close(self, terminal_id: str) -> None:
+        self._terminals.close(terminal_id)
+
     def stop(self, grace_s: float = 10.0) -> bool:
         """SIGTERM the running command's process group, SIGKILL what is left after `grace_s`.
 
@@ -339,6 +375,7 @@ class NodeAgent:
         Its own checkpoint directory goes too once every checkpoint is in the storage root.
         """
         self.stop(grace_s=0)
+        self._terminals.close_all()
         self._unmount_weights()
         if self._cache_mounts is not None:
             self._cache_mounts.remove()

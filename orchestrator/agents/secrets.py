@@ -6,6 +6,7 @@ head node, scoped by team), then the node's environment (ORCHESTRATOR_SECRET_<NA
 
 from __future__ import annotations
 
+import codecs
 import re
 
 from orchestrator.agents.secret_service import ClusterSecretStore
@@ -65,10 +66,39 @@ class SecretMasker:
 
     def __init__(self, values: list[str]) -> None:
         pieces = {v for v in values} | {ln.strip() for v in values for ln in v.splitlines()}
-        longest_first = sorted({p for p in pieces if len(p) >= 4}, key=len, reverse=True)
-        self._pattern = (
-            re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
-        )
+        self.pieces = sorted({p for p in pieces if len(p) >= 4}, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, self.pieces))) if self.pieces else None
 
     def __call__(self, line: str) -> str:
         return self._pattern.sub("*****", line) if self._pattern else line
+
+
+class StreamMasker:
+    """Masks secrets in a byte stream cut anywhere (a terminal's output, read as it comes).
+
+    A chunk may end inside a secret, so the tail that could be the start of one is held back
+    until the next chunk says whether it is; `final=True` lets the rest out.
+    """
+
+    def __init__(self, masker: SecretMasker) -> None:
+        self._masker = masker
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""
+
+    def feed(self, data: bytes, final: bool = False) -> bytes:
+        text = self._masker(self._held + self._decoder.decode(data, final))
+        hold = 0 if final else self._secret_start_at_end(text)
+        self._held = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold].encode()
+
+    def _secret_start_at_end(self, text: str) -> int:
+        """Length of the longest end of `text` that begins some secret (0 if none)."""
+        return max((_overlap(text, piece) for piece in self._masker.pieces), default=0)
+
+
+def _overlap(text: str, piece: str) -> int:
+    """The longest k < len(piece) with text ending in piece[:k]."""
+    for k in range(min(len(piece) - 1, len(text)), 0, -1):
+        if text.endswith(piece[:k]):
+            return k
+    return 0

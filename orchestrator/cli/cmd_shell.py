@@ -1,4 +1,4 @@
-"""`orchestrator shell --job-id ID [--rank N] -- CMD`: one command inside a running job."""
+"""`orchestrator shell --job-id ID [--rank N] [-- CMD]`: a shell, or one command, in a job."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 
 from orchestrator.cli.options import JobId, StorageRootOption
 from orchestrator.client.api import get_job
-from orchestrator.errors import OrchestratorError, UnsupportedFeatureError
+from orchestrator.errors import OrchestratorError
 
 
 def shell(
@@ -23,16 +23,13 @@ def shell(
     ] = 600,
     storage_root: StorageRootOption = None,
 ) -> None:
-    """Run a command in a running job's rank, in its working directory and environment; exit
-    with the command's exit code."""
-    if not command:
-        raise UnsupportedFeatureError(
-            "an interactive shell (a terminal carried through Ray) is not built yet: give a "
-            "command after `--`, e.g. orchestrator shell --job-id ID -- nvidia-smi"
-        )
+    """An interactive shell in a running job's rank (its working directory and environment), or
+    with `-- CMD` one command; exit with the shell's or the command's exit code."""
     if not job_id:
-        raise OrchestratorError("shell needs --job-id: the job to run the command in")
+        raise OrchestratorError("shell needs --job-id: the job to open the shell in")
     job = get_job(job_id, storage_root=storage_root)
+    if not command:
+        raise typer.Exit(job.attach(rank=rank))
     code, output = job.exec(" ".join(command), rank=rank, timeout_s=timeout)
     sys.stdout.write(output)
     sys.stdout.flush()

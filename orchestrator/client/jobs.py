@@ -169,6 +169,15 @@ class JobHandle:
         self._store.root.write_json(layout.session(self.id), {"held_until": until})
         return until
 
+    def attach(self, rank: int = 0, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
+        """An interactive shell (a real PTY) in the running job's rank `rank`, on this terminal,
+        through Ray Client; the shell's exit code (client/terminal.py)."""
+        from orchestrator.client.terminal import attach
+
+        if self.status().is_terminal:
+            raise OrchestratorError(f"job {self.id} has ended ({self.status().value})")
+        return attach(self, rank, stdin_fd, stdout_fd)
+
     def exec(self, command: str, rank: int = 0, timeout_s: float = 600) -> tuple[int, str]:
         """Run one shell command in the running job's rank `rank`, as its commands run (working
         directory, environment, secrets resolved on the node and masked in the output); its

@@ -51,7 +51,12 @@ class LocalClusterError(OrchestratorError):
 # job supervisor reads it from there): a stopping job's controller gets 60 s, not Ray's 3 s, to
 # stop its commands and record STOPPED. Passing it per job as a runtime_env would cost every
 # job's actors Ray's pooled workers (0.3-0.6 s each, docs/performance.md).
-CLUSTER_ENV = {"RAY_JOB_STOP_WAIT_TIME_S": "60"}
+#
+# GRPC_ENABLE_FORK_SUPPORT=false: the Ray Client server (behind `orchestrator shell`) forks a
+# server per client from a process busy with gRPC; with gRPC's fork handlers on, about 1 start in
+# 12 died here at once or after 30 s (ray-project/ray#63202); with them off, none in 66. Every
+# such fork is followed by exec, the case gRPC documents that setting for.
+CLUSTER_ENV = {"RAY_JOB_STOP_WAIT_TIME_S": "60", "GRPC_ENABLE_FORK_SUPPORT": "false"}
 
 
 def embedded_env() -> dict[str, str]:
@@ -72,6 +77,7 @@ class LocalClusterInfo:
     gcs_address: str  # "127.0.0.1:<port>", for ray.init(address=...)
     pid: int  # our `ray start --head --block` process
     temp_dir: str | None
+    client_address: str | None = None  # "ray://127.0.0.1:<port>": Ray Client (`shell`'s terminal)
 
 
 class LocalCluster:
@@ -187,7 +193,7 @@ class LocalCluster:
         deadline: float,
     ) -> LocalClusterInfo:
         temp_dir = _temp_dir_for(self.state_dir)
-        command, gcs_port, dashboard_port = ray_start_command(
+        command, gcs_port, dashboard_port, client_port = ray_start_command(
             temp_dir, num_cpus=num_cpus, num_gpus=num_gpus, resources=resources
         )
         env = {**os.environ, **embedded_env(), **CLUSTER_ENV}
@@ -215,6 +221,7 @@ class LocalCluster:
             gcs_address=f"{LOOPBACK}:{gcs_port}",
             pid=process.pid,
             temp_dir=temp_dir,
+            client_address=f"ray://{LOOPBACK}:{client_port}",
         )
         # Record it before waiting, so a CLI killed mid-start leaves a cluster we can still stop.
         self._write_state(info, psutil.Process(process.pid).create_time())
@@ -301,8 +308,9 @@ def ray_start_command(
     num_cpus: int | None = None,
     num_gpus: int | None = None,
     resources: dict[str, float] | None = None,
-) -> tuple[list[str], int, int]:
-    """The `ray start` command line for a loopback-only head, with its GCS and dashboard ports.
+) -> tuple[list[str], int, int, int]:
+    """The `ray start` command line for a loopback-only head, with its GCS, dashboard and Ray
+    Client ports.
 
     Every port Ray would otherwise take at a fixed default (6379, 8265, 10001, 52365) is picked
     free, so the cluster coexists with any other Ray on this machine.
@@ -332,7 +340,7 @@ def ray_start_command(
         command.append(f"--num-gpus={num_gpus}")
     if resources:
         command.append(f"--resources={json.dumps(resources)}")
-    return command, gcs, dashboard
+    return command, gcs, dashboard, client
 
 
 def _ray_executable() -> str:
@@ -378,6 +386,7 @@ def _info_from_state(state: dict[str, object]) -> LocalClusterInfo | None:
             gcs_address=str(state["gcs_address"]),
             pid=int(state["pid"]),  # type: ignore[call-overload]
             temp_dir=str(state["temp_dir"]) if state.get("temp_dir") else None,
+            client_address=str(state["client_address"]) if state.get("client_address") else None,
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -20,7 +20,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.agents.node_agent import NodeAgent, agent_name
+from orchestrator.agents.node_agent import (
+    TERMINAL_GROUP,
+    TERMINAL_THREADS,
+    NodeAgent,
+    agent_name,
+)
 from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.agents.secret_service import start_secret_service
 from orchestrator.agents.services import NAMESPACE
@@ -280,7 +285,7 @@ class JobController:
             self.say(f"loading checkpoint(s) {', '.join(names)} on every node")
         bundle = bundles_for(compute)[0]
         self.rendezvous = self._start_rendezvous(compute.node_count)
-        agent_cls = ray.remote(NodeAgent)
+        agent_cls = ray.remote(concurrency_groups={TERMINAL_GROUP: TERMINAL_THREADS})(NodeAgent)
         image = self.record.spec.job.image.base_image
         runtime_env = {"image_uri": image} if use_image_uri() else None
         for rank in range(compute.node_count):

@@ -1,0 +1,238 @@
+"""Interactive shells in a running job: a pseudo-terminal on the node, driven through Ray.
+
+The node agent owns them. A shell runs in the job's working directory with the job's environment
+(secrets resolved on the node), on a real PTY, so editors, job control and Ctrl-C behave as over
+SSH. Its output is masked before it leaves the node. A client that stops reading for
+`lost_after_s` (a closed laptop, a killed CLI) loses its terminal: the shell and every process of
+its session end, as they do when the job's nodes are cleaned up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import termios
+import threading
+import time
+import uuid
+
+import psutil
+
+from orchestrator.agents.secrets import SecretMasker, StreamMasker
+
+READ_CHUNK_BYTES = 64 * 1024
+READ_LIMIT_BYTES = 1 * 2**20  # per read call: a flood of output comes back in pieces
+HANGUP_GRACE_S = 2.0
+
+
+class TerminalEnded(Exception):
+    """The terminal is gone: its shell exited and was read to the end, or it was closed."""
+
+
+class Terminal:
+    """One shell on a PTY whose master end this process holds."""
+
+    def __init__(
+        self,
+        env: dict[str, str],
+        cwd: str,
+        masker: SecretMasker,
+        rows: int,
+        cols: int,
+        term: str,
+        lost_after_s: float,
+    ) -> None:
+        master, child_end = os.openpty()
+        _set_size(master, rows, cols)
+        shell = _shell(env)
+        try:
+            self.process = subprocess.Popen(
+                [shell, "-i"],
+                stdin=child_end,
+                stdout=child_end,
+                stderr=child_end,
+                cwd=cwd,
+                env={**env, "TERM": term or "xterm-256color", "SHELL": shell},
+                start_new_session=True,  # the shell leads a session: its PTY is its own
+                preexec_fn=_take_controlling_terminal,
+            )
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(child_end)
+        self.fd = master
+        self.lost_after_s = lost_after_s
+        self.last_seen = time.monotonic()
+        self._mask = StreamMasker(masker)
+        self._read_lock = threading.Lock()
+        self._closed = False
+
+    def read(self, wait_s: float) -> tuple[bytes, int | None]:
+        """What the shell wrote (masked), waiting up to `wait_s` for something; and its exit
+        code once it has exited and everything it wrote was read."""
+        self.last_seen = time.monotonic()
+        with self._read_lock:
+            if self._closed:
+                raise TerminalEnded("the terminal was closed")
+            chunks, size, ended = [], 0, False
+            ready, _, _ = select.select([self.fd], [], [], wait_s)
+            while ready and size < READ_LIMIT_BYTES:
+                try:
+                    data = os.read(self.fd, READ_CHUNK_BYTES)
+                except OSError as e:  # EIO: every process holding the PTY's other end is gone
+                    if e.errno != errno.EIO:
+                        raise
+                    data = b""
+                if not data:
+                    ended = True
+                    break
+                chunks.append(data)
+                size += len(data)
+                ready, _, _ = select.select([self.fd], [], [], 0)
+            out = self._mask.feed(b"".join(chunks), final=ended)
+            if not ended:
+                return out, None
+            code = self.process.wait()
+            self._release()
+            return out, (code if code >= 0 else 128 - code)
+
+    def write(self, data: bytes) -> None:
+        self.last_seen = time.monotonic()
+        view = memoryview(data)
+        while view:
+            written = os.write(self.fd, view)
+            view = view[written:]
+
+    def resize(self, rows: int, cols: int) -> None:
+        """The kernel tells the shell's foreground programs (SIGWINCH), as a terminal would."""
+        _set_size(self.fd, rows, cols)
+
+    @property
+    def lost(self) -> bool:
+        return time.monotonic() - self.last_seen > self.lost_after_s
+
+    def close(self) -> None:
+        """Hang up: SIGHUP to every process of the shell's session, SIGKILL what is left."""
+        with self._read_lock:
+            if self._closed:
+                return
+            members = _session_members(self.process.pid)
+            for process in members:
+                with contextlib.suppress(psutil.Error):
+                    process.send_signal(signal.SIGHUP)
+            _, alive = psutil.wait_procs(members, timeout=HANGUP_GRACE_S)
+            for process in alive:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            psutil.wait_procs(alive, timeout=HANGUP_GRACE_S)
+            self.process.wait()
+            self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class Terminals:
+    """A node agent's open terminals, and the watch that ends those whose client is gone."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, Terminal] = {}
+        self._lock = threading.Lock()
+        self._watch: threading.Thread | None = None
+
+    def open(self, **kwargs) -> str:
+        terminal = Terminal(**kwargs)
+        terminal_id = uuid.uuid4().hex[:12]
+        with self._lock:
+            self._open[terminal_id] = terminal
+            if self._watch is None:
+                self._watch = threading.Thread(target=self._close_lost, daemon=True)
+                self._watch.start()
+        return terminal_id
+
+    def get(self, terminal_id: str) -> Terminal:
+        with self._lock:
+            terminal = self._open.get(terminal_id)
+        if terminal is None:
+            raise TerminalEnded(f"terminal {terminal_id} has ended")
+        return terminal
+
+    def read(self, terminal_id: str, wait_s: float) -> tuple[bytes, int | None]:
+        out, code = self.get(terminal_id).read(wait_s)
+        if code is not None:
+            self._forget(terminal_id)
+        return out, code
+
+    def close(self, terminal_id: str) -> None:
+        terminal = self._forget(terminal_id)
+        if terminal is not None:
+            terminal.close()
+
+    def close_all(self) -> None:
+        with self._lock:
+            ids = list(self._open)
+        for terminal_id in ids:
+            self.close(terminal_id)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def _forget(self, terminal_id: str) -> Terminal | None:
+        with self._lock:
+            return self._open.pop(terminal_id, None)
+
+    def _close_lost(self) -> None:
+        while True:
+            time.sleep(1.0)
+            with self._lock:
+                lost = [tid for tid, terminal in self._open.items() if terminal.lost]
+            for terminal_id in lost:
+                self.close(terminal_id)
+
+
+def _shell(env: dict[str, str]) -> str:
+    for candidate in (env.get("SHELL", ""), "/bin/bash", "/bin/sh"):
+        if candidate and shutil.which(candidate, path=env.get("PATH")):
+            return candidate
+    return "/bin/sh"
+
+
+# A Ray worker ignores or blocks some of these, and a child inherits both across exec: a shell
+# started as is would run programs that Ctrl-C cannot interrupt.
+_TERMINAL_SIGNALS = (
+    signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU,
+    signal.SIGHUP, signal.SIGTERM, signal.SIGCHLD, signal.SIGWINCH,
+)  # fmt: skip
+
+
+def _take_controlling_terminal() -> None:
+    """In the child, after setsid: its stdin (the PTY) becomes its controlling terminal, and the
+    terminal's signals act as they do in a login shell, so Ctrl-C and job control work."""
+    for number in _TERMINAL_SIGNALS:
+        signal.signal(number, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _set_size(fd: int, rows: int, cols: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", max(rows, 1), max(cols, 1), 0, 0))
+
+
+def _session_members(session_id: int) -> list[psutil.Process]:
+    """Every process of the session the shell leads (background jobs and their children too)."""
+    members = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getsid(process.pid) == session_id:
+                members.append(process)
+    return members
