@@ -106,6 +106,20 @@ def test_push_dry_run_applies_overrides_and_submits_nothing():
     assert "nothing was submitted" in out and "sha256" in out
 
 
+def test_push_takes_truss_train_push_flags_for_sessions_priority_and_spot():
+    result = run_cli(
+        "push", MNIST, "--dry-run", "-o", "json", "--interactive", "on_failure",
+        "--interactive-timeout-minutes", "30", "--priority", "3", "--spot",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)["summary"]
+    assert summary["interactive_session"]["trigger"] == "on_failure"  # created by the flags
+    assert summary["interactive_session"]["timeout_minutes"] == 30
+    assert summary["priority"] == 3 and summary["availability_model"] == "spot"
+    refused = run_cli("push", MNIST, "--dry-run", "--interactive", "sometimes")
+    assert refused.returncode == 2 and "--interactive" in refused.stderr
+
+
 def test_push_dry_run_refuses_bad_overrides():
     result = run_cli("push", MNIST, "--dry-run", "--accelerator", "H100:zero")
     assert result.returncode == 2

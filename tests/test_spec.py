@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from orchestrator import definitions as d
+from orchestrator.client.support import check_support
 from orchestrator.spec.base import parse_memory
 from orchestrator.spec.validation import describe_validation_error
 
@@ -151,9 +152,22 @@ def test_unknown_keys_are_rejected_with_the_allowed_fields():
         "Compute: unknown field 'cpus'; allowed fields: node_count, cpu_count, memory, "
         "accelerator, availability_model"
     )
-    assert "unknown field 'revision'" in one_problem(
-        d.WeightsSource, source="hf://a/b", mount_location="/m", revision="main"
+
+
+def test_where_baseten_keeps_unknown_keys_they_load_and_push_says_they_are_ignored():
+    """truss's ConfigModel (WeightsSource, AcceleratorSpec, Checkpoint, LoRADetails) allows
+    extra keys and coerces values; a config that relies on it loads here too."""
+    weights = d.WeightsSource(source="hf://a/b", mount_location="/m", revision="main")
+    accelerator = d.AcceleratorSpec(accelerator="H100", count="8", interconnect="nvlink")
+    assert accelerator.count == 8
+    assert d.LoRADetails(rank="64", alpha=32).rank == 64
+    assert d.FullCheckpoint(training_job_id="j", checkpoint_name="c", step=5).model_extra
+    job = d.TrainingJob(
+        image=d.Image(base_image="x"), compute=d.Compute(accelerator=accelerator), weights=[weights]
     )
+    notices = check_support(job).notices
+    assert any(n.startswith("weights[0]: 'revision' is not a field") for n in notices)
+    assert any(n.startswith("compute.accelerator: 'interconnect' is not a field") for n in notices)
 
 
 def test_assignment_is_validated():
@@ -321,6 +335,8 @@ def test_enabled_load_needs_a_checkpoint():
         "s3://bucket/path/to/weights",
         "gs://bucket/data",
         "r2://abc123.bucket/path",
+        "cw://bucket/path/to/weights",
+        "cw://my-bucket.v2/model.safetensors",
         "azure://account/container/path",
         "https://example.com/model.safetensors",
     ],
@@ -340,6 +356,12 @@ def test_weight_sources_accepted(source):
         ("s3://bucket//abs", "needs a bucket and a path"),
         ("s3://bucket/path@v2", "revision (@...) is only allowed on hf://"),
         ("r2://bucket/path", "must name the account"),
+        ("cw://bucket", "needs a bucket and a path: cw://bucket/path"),
+        ("cw:///path", "needs a bucket and a path: cw://bucket/path"),
+        ("cw://bucket//abs", "needs a bucket and a path: cw://bucket/path"),
+        ("cw://bucket/path@v2", "revision (@...) is only allowed on hf://"),
+        ("cw:/bucket/path", "has no scheme"),
+        ("ftp://host/file", "use one of hf://, s3://, gs://, r2://, cw://, azure://, https://"),
         ("azure://account/container", "needs a container and a path"),
         ("https://example.com", "needs a host and a file path"),
         ("hf://a/b/c", "not a Hugging Face source"),
@@ -445,13 +467,9 @@ def test_job_lists_every_secret_it_names():
 # --- deploy side -------------------------------------------------------------------------------
 
 
-def test_lora_rank_must_be_an_allowed_value():
-    assert d.LoRADetails(rank=64).rank == 64
-    line = one_problem(d.LoRADetails, rank=7)
-    assert (
-        line
-        == "LoRADetails.rank: 7 is not a LoRA rank; use one of 8, 16, 32, 64, 128, 256, 320, 512"
-    )
+def test_lora_rank_is_any_positive_rank_as_in_truss_0_18_36():
+    assert d.LoRADetails(rank=7).rank == 7
+    assert "LoRADetails.rank" in one_problem(d.LoRADetails, rank=0)
 
 
 def test_checkpoint_formats_are_set_by_class():

@@ -12,7 +12,12 @@ import pytest
 
 from orchestrator.agents.node_cache import _from_mirror
 from orchestrator.agents.weight_mirror import Progress, copy_set
-from orchestrator.agents.weight_sources import R2_ENDPOINT_ENV, SourceError, open_source
+from orchestrator.agents.weight_sources import (
+    CW_ENDPOINT_ENV,
+    R2_ENDPOINT_ENV,
+    SourceError,
+    open_source,
+)
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.weights import MirrorStore, select, set_key
@@ -92,6 +97,27 @@ def test_r2_reads_through_the_s3_api_at_the_accounts_endpoint(s3_server, monkeyp
     root = StorageRoot(tmp_path / "root")
     weight_set = mirror(spec, root, creds)
     assert read_back(root, weight_set, tmp_path / "node") == {"w.bin": b"r2 data"}
+
+
+def test_cw_reads_through_the_s3_api_at_coreweaves_endpoint(s3_server, monkeypatch, tmp_path):
+    bucket = f"cw-{uuid.uuid4().hex[:8]}"
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir(bucket)
+    fs.pipe({f"{bucket}/m/w.bin": b"cw data", f"{bucket}/m/d/t.json": b"{}"})
+    spec = source(f"cw://{bucket}/m")
+    monkeypatch.delenv(CW_ENDPOINT_ENV, raising=False)
+    default = open_source(spec, None).fs
+    assert default.endpoint_url == "https://cwobject.com"
+    assert default.config_kwargs == {"s3": {"addressing_style": "virtual"}}
+    monkeypatch.setenv(CW_ENDPOINT_ENV, s3_server)  # the loopback server plays CoreWeave
+    creds = json.dumps({"aws_access_key_id": "k", "aws_secret_access_key": "s"})
+    assert open_source(spec, creds).fs.endpoint_url == s3_server
+    root = StorageRoot(tmp_path / "root")
+    weight_set = mirror(spec, root, creds)
+    assert read_back(root, weight_set, tmp_path / "node") == {"w.bin": b"cw data",
+                                                              "d/t.json": b"{}"}  # fmt: skip
+    with pytest.raises(SourceError, match="lacks aws_secret_access_key"):
+        open_source(spec, json.dumps({"aws_access_key_id": "k"}))
 
 
 def test_s3_secret_must_be_json_with_both_keys(s3_server):

@@ -1,9 +1,9 @@
 """Reading a weights source: resolve its revision, list its files, fetch one.
 
 `hf://` goes through huggingface_hub (honouring HF_ENDPOINT); every other scheme through an
-fsspec filesystem (s3fs, gcsfs, s3fs at R2's endpoint, adlfs, fsspec's http). Credentials come
-from the source's secret, resolved by the caller where the copy happens; a filesystem made with
-them is never shared through fsspec's instance cache.
+fsspec filesystem (s3fs, gcsfs, s3fs at R2's or CoreWeave's endpoint, adlfs, fsspec's http).
+Credentials come from the source's secret, resolved by the caller where the copy happens; a
+filesystem made with them is never shared through fsspec's instance cache.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 R2_ENDPOINT_ENV = "ORCHESTRATOR_R2_ENDPOINT_URL"
 R2_DEFAULT_ENDPOINT = "https://{account_id}.r2.cloudflarestorage.com"
+CW_ENDPOINT_ENV = "ORCHESTRATOR_CW_ENDPOINT_URL"
+CW_DEFAULT_ENDPOINT = "https://cwobject.com"  # inside CoreWeave, http://cwlota.com (LOTA) is faster
 _HF_REPO = re.compile(
     r"^hf://(?:(?P<kind>datasets|spaces|models)/)?(?P<repo>[^@]+)(?:@(?P<rev>.+))?$"
 )
@@ -233,7 +235,7 @@ def _filesystem(source: str, secret: str | None) -> tuple[Any, str]:
     common: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
     if scheme == "https":
         return fsspec.filesystem("https", skip_instance_cache=True), source
-    if scheme in ("s3", "r2"):
+    if scheme in ("s3", "r2", "cw"):
         creds = _json_secret(source, secret, ("aws_access_key_id", "aws_secret_access_key"))
         options: dict[str, Any] = {**common}
         if creds:
@@ -246,6 +248,12 @@ def _filesystem(source: str, secret: str | None) -> tuple[Any, str]:
             template = os.environ.get(R2_ENDPOINT_ENV) or R2_DEFAULT_ENDPOINT
             options["endpoint_url"] = template.format(account_id=account)
             rest = bucket_path
+        if scheme == "cw":
+            options["endpoint_url"] = os.environ.get(CW_ENDPOINT_ENV) or CW_DEFAULT_ENDPOINT
+            # CoreWeave serves only virtual-hosted requests (https://bucket.cwobject.com/key), at
+            # cwlota.com too. botocore still addresses an endpoint given as an IP by path, as a
+            # loopback test server needs.
+            options["config_kwargs"] = {"s3": {"addressing_style": "virtual"}}
         return fsspec.filesystem("s3", **options), rest.rstrip("/")
     if scheme == "gs":
         token: Any = None

@@ -25,6 +25,7 @@ from orchestrator.client.overrides import Overrides
 from orchestrator.client.prepare import PreparedJob, prepare_job
 from orchestrator.client.submit import submit
 from orchestrator.client.workspace import write_archive
+from orchestrator.spec.training import InteractiveSessionTrigger
 from orchestrator.storage.job_store import JobStore
 
 
@@ -38,6 +39,15 @@ def push(
     entrypoint: Annotated[
         str | None, typer.Option("--entrypoint", help="Replaces start_commands")
     ] = None,
+    interactive: Annotated[
+        InteractiveSessionTrigger | None,
+        typer.Option("--interactive", help="Hold the nodes for `shell` (an interactive_session)"),
+    ] = None,
+    interactive_timeout_minutes: Annotated[
+        int | None, typer.Option("--interactive-timeout-minutes", help="How long they are held")
+    ] = None,
+    priority: Annotated[int | None, typer.Option("--priority")] = None,
+    spot: Annotated[bool, typer.Option("--spot", help="availability_model spot")] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Do everything short of submitting")
     ] = False,
@@ -50,7 +60,10 @@ def push(
     output: Annotated[OutputFormat, typer.Option("-o", "--output")] = OutputFormat.text,
 ) -> None:
     """Push a training job."""
-    overrides = Overrides(job_name, team, node_count, accelerator, entrypoint)
+    overrides = Overrides(
+        job_name, team, node_count, accelerator, entrypoint,
+        interactive.value if interactive else None, interactive_timeout_minutes, priority, spot,
+    )  # fmt: skip
     prepared = prepare_job(config, overrides=overrides)
     if dry_run:
         _dry_run(prepared, output)

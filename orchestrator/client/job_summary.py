@@ -29,6 +29,10 @@ def describe_job(project: TrainingProject, plan: WorkspacePlan | None = None) ->
             "gpus": compute.gpus_per_node,
         },
         "availability_model": compute.availability_model.value,
+        "priority": job.priority,
+        "interactive_session": (
+            job.interactive_session.model_dump(mode="json") if job.interactive_session else None
+        ),
         "start_commands": list(runtime.start_commands),
         "environment": {
             name: (str(value) if isinstance(value, SecretReference) else "(set)")

@@ -18,6 +18,10 @@ class Overrides:
     node_count: int | None = None
     accelerator: str | None = None  # "H100:8"
     entrypoint: str | None = None  # replaces start_commands
+    interactive: str | None = None  # an interactive_session trigger, e.g. "on_failure"
+    interactive_timeout_minutes: int | None = None
+    priority: int | None = None
+    spot: bool = False  # availability_model spot; the flag always wins
 
     def apply(self, project: TrainingProject) -> tuple[TrainingProject, list[str]]:
         """The overridden project (validated) and one warning per value it replaced."""
@@ -45,6 +49,21 @@ class Overrides:
             job["compute"]["accelerator"] = self.accelerator
         if self.entrypoint is not None:
             put(job["runtime"], "start_commands", [self.entrypoint], "--entrypoint")
+        if self.interactive is not None or self.interactive_timeout_minutes is not None:
+            # As `truss train push`: the session is created if the config has none.
+            session = job.get("interactive_session") or {}
+            if self.interactive is not None:
+                put(session, "trigger", self.interactive.lower(), "--interactive")
+            if self.interactive_timeout_minutes is not None:
+                put(session, "timeout_minutes", self.interactive_timeout_minutes,
+                    "--interactive-timeout-minutes")  # fmt: skip
+            job["interactive_session"] = session
+        if self.priority is not None:
+            put(job, "priority", self.priority, "--priority")
+        if self.spot:
+            if job["compute"].get("availability_model") == "dedicated":
+                job["compute"]["availability_model"] = None  # the default: nothing to warn of
+            put(job["compute"], "availability_model", "spot", "--spot")
         try:
             return TrainingProject.model_validate(data, strict=False), warnings
         except ValidationError as e:

@@ -64,7 +64,7 @@ def check_support(job: TrainingJob) -> SupportReport:
         notices.append(
             f"interactive_session ({session.trigger.value}): the nodes are held for "
             f"{session.timeout_minutes} min as the trigger says; reach them with `orchestrator "
-            f"shell --job-id ID -- CMD` (no {session.session_provider.value} remote editor here)"
+            f"shell --job-id ID` (no {session.session_provider.value} remote editor here)"
         )
     for i, w in enumerate(job.weights):
         if w.auth and w.auth.auth_method != WeightsAuthMethod.CUSTOM_SECRET:
@@ -80,6 +80,15 @@ def check_support(job: TrainingJob) -> SupportReport:
                     f"runtime.load_checkpoint_config.checkpoints[{i}]: Loops checkpoints live in "
                     "Baseten Loops; use BasetenCheckpoint references to orchestrator jobs"
                 )
+    models = [("compute.accelerator", job.compute.accelerator)]
+    models += [(f"weights[{i}]", w) for i, w in enumerate(job.weights)]
+    for where, model in models:
+        if model is not None and model.model_extra:
+            keys = ", ".join(map(repr, sorted(model.model_extra)))
+            notices.append(
+                f"{where}: {keys} is not a field of {type(model).__name__} and is ignored "
+                "(Baseten accepts unknown keys there too)"
+            )
     if job.image.docker_auth is not None:
         notices.append("image.docker_auth is recorded only: images are not pulled on this cluster")
     if job.compute.availability_model == AvailabilityModel.SPOT:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from pydantic import Field, StrictInt, model_validator
+from pydantic import Field, model_validator
 
-from orchestrator.spec.base import FieldProblem, StrictModel, lenient_enum
+from orchestrator.spec.base import ConfigModel, FieldProblem, lenient_enum
 
 
 class Accelerator(str, enum.Enum):
@@ -29,11 +29,11 @@ class Accelerator(str, enum.Enum):
     GB300 = "GB300"
 
 
-class AcceleratorSpec(StrictModel):
+class AcceleratorSpec(ConfigModel):
     """Accelerators per node. Also written as a string: `"H100"` or `"H100:8"`."""
 
     accelerator: lenient_enum(Accelerator) | None = None  # type: ignore[valid-type]
-    count: StrictInt = Field(default=1, ge=0)
+    count: int = Field(default=1, ge=0)
 
     @model_validator(mode="before")
     @classmethod

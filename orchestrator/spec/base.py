@@ -18,6 +18,14 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", validate_assignment=True)
 
 
+class ConfigModel(StrictModel):
+    """Like truss's `ConfigModel` (WeightsSource, AcceleratorSpec, Checkpoint, LoRADetails): an
+    unknown key is kept, as Baseten keeps it, and `push` warns that nothing reads it; values are
+    coerced as there (`count="8"` is 8)."""
+
+    model_config = ConfigDict(strict=False, extra="allow", validate_assignment=True)
+
+
 class FieldProblem(ValueError):
     """A validator's finding about a field below the one it validates: the error names that
     leaf. `at` continues the path from where the validator sits, e.g. `(1, "mount_location")`

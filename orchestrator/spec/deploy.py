@@ -8,9 +8,9 @@ from __future__ import annotations
 import enum
 from typing import Literal, Union
 
-from pydantic import Field, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import Field, StrictStr, model_validator
 
-from orchestrator.spec.base import AbsolutePath, FieldProblem, SafeName, StrictModel
+from orchestrator.spec.base import AbsolutePath, ConfigModel, FieldProblem, SafeName, StrictModel
 from orchestrator.spec.training import Compute, EnvValue
 
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -22,20 +22,12 @@ class ModelWeightsFormat(str, enum.Enum):
     WHISPER = "whisper"
 
 
-class LoRADetails(StrictModel):
-    rank: StrictInt = 16
-
-    @field_validator("rank")
-    @classmethod
-    def _check_rank(cls, value: int) -> int:
-        if value not in LORA_RANKS:
-            raise ValueError(
-                f"{value} is not a LoRA rank; use one of {', '.join(map(str, LORA_RANKS))}"
-            )
-        return value
+class LoRADetails(ConfigModel):
+    # Any rank, as truss 0.18.36 (its docs still list LORA_RANKS, which vLLM serves).
+    rank: int = Field(default=16, ge=1)
 
 
-class Checkpoint(StrictModel):
+class Checkpoint(ConfigModel):
     training_job_id: SafeName
     checkpoint_name: SafeName
     model_weight_format: ModelWeightsFormat

@@ -10,10 +10,10 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, StrictStr, field_validator, model_validator
 
-from orchestrator.spec.base import FieldProblem, StrictModel, check_job_directory
+from orchestrator.spec.base import ConfigModel, FieldProblem, StrictModel, check_job_directory
 from orchestrator.spec.secrets import SecretName
 
-SUPPORTED_SCHEMES = ("hf", "s3", "gs", "r2", "azure", "https")
+SUPPORTED_SCHEMES = ("hf", "s3", "gs", "r2", "cw", "azure", "https")
 
 _HF_SOURCE = re.compile(
     r"^hf://(?:(?:datasets|spaces|models)/)?[\w.-]+(?:/[\w.-]+)?(?:@(?P<revision>[^@\s/][^@\s]*))?$"
@@ -80,7 +80,7 @@ class WeightsAuth(StrictModel):
         return self
 
 
-class WeightsSource(StrictModel):
+class WeightsSource(ConfigModel):
     """A source mirrored once and placed read-only at `mount_location` on every node."""
 
     source: StrictStr = Field(min_length=1)
