@@ -15,13 +15,15 @@ REPO = Path(__file__).resolve().parents[1]
 MNIST = REPO / "recipes" / "mnist-pytorch" / "config.py"
 
 
-def run_cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "orchestrator", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
         timeout=120,
     )
 
@@ -118,6 +120,38 @@ def test_push_takes_truss_train_push_flags_for_sessions_priority_and_spot():
     assert summary["priority"] == 3 and summary["availability_model"] == "spot"
     refused = run_cli("push", MNIST, "--dry-run", "--interactive", "sometimes")
     assert refused.returncode == 2 and "--interactive" in refused.stderr
+
+
+def test_a_config_that_pushes_itself_while_loading_submits_nothing(tmp_path):
+    """Baseten users end a config with `truss_train.push(project)` to run `python config.py`;
+    loading it (validate, push) must not submit a job from inside the load."""
+    body = """
+        import truss_train
+        from truss_train import definitions as d
+        project = d.TrainingProject(name="p", job=d.TrainingJob(image=d.Image(base_image="x")))
+        truss_train.push(project)
+    """
+    config = write_config(tmp_path / "job", body)
+    home = tmp_path / "home"
+    # A cluster address nothing answers at: a push that slipped through could not hide.
+    env = {"ORCHESTRATOR_HOME": str(home), "ORCHESTRATOR_STORAGE_ROOT": str(home / "storage"),
+           "RAY_ADDRESS": "http://127.0.0.1:9"}  # fmt: skip
+    for verb in (["validate"], ["push", "--dry-run"], ["push"]):
+        result = run_cli(*verb, config, env=env)
+        assert result.returncode == 2, (verb, result.stderr)
+        assert "config.py line 5: the config calls truss_train.push(...) while it loads" in (
+            result.stderr.replace("\n", " ")
+        )
+        assert not home.exists() or not any(home.rglob("*.json"))  # no record, no cluster
+    guarded = write_config(
+        tmp_path / "guarded",
+        body.replace(
+            "        truss_train.push(project)",
+            """        if __name__ == "__main__":
+            truss_train.push(project)""",
+        ),
+    )
+    assert run_cli("validate", guarded, env=env).returncode == 0
 
 
 def test_push_dry_run_refuses_bad_overrides():

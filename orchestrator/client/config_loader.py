@@ -16,7 +16,12 @@ from typing import Any, NoReturn
 from pydantic import BaseModel, ValidationError
 
 from orchestrator import definitions
-from orchestrator.client.truss_compat import baseten_imports, from_truss_project, is_truss_project
+from orchestrator.client.truss_compat import (
+    PushWhileLoading,
+    baseten_imports,
+    from_truss_project,
+    is_truss_project,
+)
 from orchestrator.errors import ConfigError
 from orchestrator.spec.training import TrainingProject
 from orchestrator.spec.validation import describe_validation_error
@@ -79,6 +84,8 @@ def _execute(config_path: Path) -> ModuleType:
         # within the same second (a sweep), and the user must get what the file says now.
         code = compile(config_path.read_bytes(), str(config_path), "exec")
         _run(code, module.__dict__, config_path)
+    except PushWhileLoading as e:
+        raise ConfigError(f"{config_path.name}{_where(e, config_path)}: {e}") from None
     except ConfigError:
         raise
     except ValidationError as e:

@@ -30,14 +30,18 @@ _TRUSS_CONFIG_NAMES = (
 )
 
 
-def _push(config: Any, *args: Any, source_dir: Any = None, **kwargs: Any) -> Any:
-    """`truss_train.push` for configs that push themselves: goes to orchestrator's `push`.
+class PushWhileLoading(ConfigError):
+    """A config called `truss_train.push` while it was being loaded."""
 
-    Baseten-only arguments (`remote`, `team_id`) are ignored.
-    """
-    from orchestrator.client.api import push
 
-    return push(config, source_dir=source_dir)
+def _refuse_push(*args: Any, **kwargs: Any) -> Any:
+    """`truss_train.push` while a config loads: loading never submits anything (`validate` would
+    push a job, and `push` two, the inner one packaging whatever directory it was run from)."""
+    raise PushWhileLoading(
+        "the config calls truss_train.push(...) while it loads; `orchestrator push config.py` "
+        "pushes it. To keep `python config.py` pushing too, put the call under "
+        '`if __name__ == "__main__":`'
+    )
 
 
 def truss_installed() -> bool:
@@ -63,7 +67,7 @@ def _shim_modules() -> dict[str, types.ModuleType]:
     truss = module("truss", {"base": base}, package=True)
     train_defs = module("truss_train.definitions", spec)
     truss_train = module(
-        "truss_train", {**spec, "definitions": train_defs, "push": _push}, package=True
+        "truss_train", {**spec, "definitions": train_defs, "push": _refuse_push}, package=True
     )
     return {
         "truss": truss,
@@ -76,9 +80,17 @@ def _shim_modules() -> dict[str, types.ModuleType]:
 
 @contextmanager
 def baseten_imports() -> Iterator[None]:
-    """While active, Baseten's import paths resolve to our definitions (unless truss is real)."""
+    """While active (a config loading), Baseten's import paths resolve to our definitions, and
+    `truss_train.push` refuses, the real one too if truss is installed."""
     if truss_installed():
-        yield
+        import truss_train
+
+        real_push = truss_train.push
+        truss_train.push = _refuse_push
+        try:
+            yield
+        finally:
+            truss_train.push = real_push
         return
     added = {name: mod for name, mod in _shim_modules().items() if name not in sys.modules}
     sys.modules.update(added)
