@@ -12,7 +12,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_CLIENT_API = ("push", "get_job", "list_jobs", "list_projects")
+_CLIENT_API = ("push", "dry_run", "get_job", "list_jobs", "list_projects")
 _ERRORS = ("ConfigError", "OrchestratorError", "UnsupportedFeatureError", "WorkspaceError")
 # For training scripts on the nodes: light, no Ray, no spec.
 _NODE_HELPERS = ("mark_checkpoint_complete",)

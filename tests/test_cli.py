@@ -154,6 +154,22 @@ def test_a_config_that_pushes_itself_while_loading_submits_nothing(tmp_path):
     assert run_cli("validate", guarded, env=env).returncode == 0
 
 
+def test_dry_run_is_an_api_that_submits_nothing(tmp_path, monkeypatch):
+    from orchestrator import dry_run
+    from orchestrator.client.overrides import Overrides
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("ORCHESTRATOR_HOME", str(home))
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:9")  # nothing answers there
+    plan = dry_run(MNIST, overrides=Overrides(node_count=2))
+    assert plan.summary["nodes"] == 2
+    assert "--node-count 2 overrides 1 from the config" in plan.warnings
+    assert len(plan.archive_sha256) == 64 and plan.archive_bytes > 0
+    printed = run_cli("push", MNIST, "--dry-run", "-o", "json", "--node-count", "2")
+    assert json.loads(printed.stdout)["summary"]["archive"]["sha256"] == plan.archive_sha256
+    assert not home.exists()  # no cluster started, no storage root written
+
+
 def test_push_dry_run_refuses_bad_overrides():
     result = run_cli("push", MNIST, "--dry-run", "--accelerator", "H100:zero")
     assert result.returncode == 2

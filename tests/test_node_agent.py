@@ -12,16 +12,21 @@ from pathlib import Path
 
 import psutil
 
+from orchestrator.agents.messages import CommandsEnded, OutputLines, StartRequest
 from orchestrator.agents.node_agent import NodeAgent
+
+
+def start(commands: list[str], cwd: Path | str, secrets=None, env=None) -> StartRequest:
+    return StartRequest(tuple(commands), env or {}, secrets or {}, str(cwd), gpus_per_node=0)
 
 
 def run(agent: NodeAgent, commands: list[str], cwd: Path, secrets=None, env=None):
     lines, result = [], None
-    for kind, payload in agent.run_commands(commands, env or {}, secrets or {}, str(cwd), None, 0):
-        if kind == "lines":
-            lines += payload
+    for item in agent.run_commands(start(commands, cwd, secrets, env)):
+        if isinstance(item, OutputLines):
+            lines += item.lines
         else:
-            result = payload
+            result = item
     return lines, result
 
 
@@ -47,8 +52,8 @@ def test_commands_run_in_order_and_stop_at_the_first_failure(tmp_path):
     lines, result = run(agent, ["echo one", "echo two >&2; exit 7", "echo three"], tmp_path)
     assert untagged(lines) == ["one", "two"]
     assert lines[0].startswith("[rank 0 ")
-    assert result["exit_code"] == 7 and result["command"] == "echo two >&2; exit 7"
-    assert result["last_lines"] == ["one", "two"]
+    assert result.exit_code == 7 and result.command == "echo two >&2; exit 7"
+    assert result.last_lines == ["one", "two"]
 
 
 def test_group_variables_for_a_group_of_one(tmp_path):
@@ -56,7 +61,7 @@ def test_group_variables_for_a_group_of_one(tmp_path):
     lines, result = run(agent, ["echo $BT_GROUP_SIZE $NNODES $NODE_RANK $MASTER_PORT"], tmp_path)
     size, nnodes, rank, port = untagged(lines)[0].split()
     assert (size, nnodes, rank) == ("1", "1", "0") and int(port) > 0
-    assert result["exit_code"] == 0
+    assert result.exit_code == 0
 
 
 def test_secrets_are_resolved_masked_and_the_only_ones_visible(tmp_path, monkeypatch):
@@ -70,31 +75,32 @@ def test_secrets_are_resolved_masked_and_the_only_ones_visible(tmp_path, monkeyp
         secrets={"HF_TOKEN": "hf_token"},
     )
     assert untagged(lines) == ["token=*****", "0"]
-    assert not any("hf_abcdef123456" in line for line in lines + result["last_lines"])
+    assert not any("hf_abcdef123456" in line for line in lines + result.last_lines)
 
 
 def test_stop_reaches_every_process_of_the_command(tmp_path):
     agent = NodeAgent("j", 0, str(tmp_path / "storage"))
     script = "sleep 300 & echo child $!; sleep 300"
-    stream = agent.run_commands([script], {}, {}, str(tmp_path), None, 0)
-    kind, payload = next(stream)
-    while kind != "lines":
-        kind, payload = next(stream)
-    child = int(untagged(payload)[0].split()[1])
+    stream = agent.run_commands(start([script], tmp_path))
+    item = next(stream)
+    while not isinstance(item, OutputLines):
+        item = next(stream)
+    child = int(untagged(item.lines)[0].split()[1])
     assert psutil.pid_exists(child)
     assert agent.stop(grace_s=5)
-    result = next(p for k, p in stream if k == "result")
-    assert result["stopped"] and result["exit_code"] != 0
+    result = next(i for i in stream if isinstance(i, CommandsEnded))
+    assert result.stopped and result.exit_code != 0
     assert gone(child, timeout=10), "a process of the command outlived stop"
 
 
 AGENT_SCRIPT = """
 import sys
+from orchestrator.agents.messages import StartRequest
 from orchestrator.agents.node_agent import NodeAgent
 agent = NodeAgent("j", 0, sys.argv[1])
-for kind, payload in agent.run_commands(["sleep 300 & echo pid $!; wait"], {}, {}, sys.argv[1],
-                                        None, 0):
-    print(payload, flush=True)
+request = StartRequest(("sleep 300 & echo pid $!; wait",), {}, {}, sys.argv[1], gpus_per_node=0)
+for item in agent.run_commands(request):
+    print(getattr(item, "lines", item), flush=True)
 """
 
 

@@ -25,6 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from orchestrator.agents.messages import (
+    CacheRequest,
+    CommandsEnded,
+    Delivery,
+    OutputLines,
+    PreparedNode,
+    PrepareRequest,
+    StartRequest,
+    WeightPlacement,
+)
 from orchestrator.agents.node_root import job_node_dir
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
@@ -105,26 +115,20 @@ class NodeAgent:
             "working_dir": str(self.working_dir),
         }
 
-    def prepare(
-        self,
-        archive_path: str,
-        sha256: str,
-        checkpoint_dir: str | None,
-        secret_names: list[str],
-        load: list[dict[str, Any]] | None = None,
-        download_folder: str | None = None,
-        weights: list[dict[str, Any]] | None = None,
-        cache: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    def prepare(self, request: PrepareRequest) -> PreparedNode:
         """Check secrets, fetch the code, create the job's directories, fetch checkpoints to load,
         and place the job's weight sets at their mount locations.
 
-        Checkpoints in `load` (manifests) land in `<folder>/rank-<their rank>/<their name>/`;
-        Baseten's default folder becomes one private to this job on this node. Each entry of
-        `weights` is {"set": WeightSet, "mount_location": path}. `cache` (team, project,
-        mount_base_path, explicit_base, legacy_hf) asks for the training cache.
+        Checkpoints to load land in `<folder>/rank-<their rank>/<their name>/`; Baseten's
+        default folder becomes one private to this job on this node.
         """
-        for name in secret_names:
+        archive_path, sha256 = request.archive_path, request.sha256
+        checkpoint_dir, load, download_folder = (
+            request.checkpoint_dir,
+            request.load,
+            request.download_folder,
+        )
+        for name in request.secret_names:
             resolve_secret(name, self.team)  # a missing secret fails the deploy, naming it
         if self.working_dir.exists():
             shutil.rmtree(self.working_dir)
@@ -158,41 +162,33 @@ class NodeAgent:
                     shutil.rmtree(dest)
                 store.download(manifest, dest)
         info = self.node_info()
-        if cache is not None:
-            info["cache"] = self._prepare_cache(**cache)
-        info["weights"] = [
-            self._place_weights(w["set"], w["mount_location"]) for w in weights or []
-        ]
-        return info
+        cache = self._prepare_cache(request.cache) if request.cache is not None else None
+        weights = tuple(self._place_weights(w) for w in request.weights)
+        return PreparedNode(**info, weights=weights, cache=cache)
 
-    def _prepare_cache(
-        self,
-        team: str | None,
-        project: str,
-        mount_base_path: str,
-        explicit_base: bool,
-        legacy_hf: bool,
-    ) -> dict[str, Any]:
+    def _prepare_cache(self, request: CacheRequest) -> dict[str, Any]:
         """Seed this node's copies of the caches, then link them where the job looks."""
         import ray
 
         from orchestrator.agents.cache_mounts import mount_caches
         from orchestrator.agents.cache_seeder import cache_seeder_here
 
-        seeded = ray.get(cache_seeder_here().seed.remote(self.storage.url, team, project))
-        base = Path(mount_base_path) if explicit_base else self.base / "cache"
+        seeder = cache_seeder_here()
+        seeded = ray.get(seeder.seed.remote(self.storage.url, request.team, request.project))
+        explicit_base = request.explicit_base
+        base = Path(request.mount_base_path) if explicit_base else self.base / "cache"
         self._cache_mounts = mount_caches(
             base,
             seeded["project"]["path"],
             seeded["team"]["path"],
-            legacy_hf,
+            request.legacy_hf,
             explicit_base,
             (self.actor_name, self.job_id),
             actor_alive,
         )
         return {**seeded, "env": self._cache_mounts.env}
 
-    def _place_weights(self, weight_set: dict[str, Any], mount_location: str) -> dict[str, Any]:
+    def _place_weights(self, placement: WeightPlacement) -> Delivery:
         """Get the set from this node's cache and show it at `mount_location` (a link, no copy)."""
         import ray
 
@@ -202,33 +198,35 @@ class NodeAgent:
         started = time.monotonic()
         self._holds_weights = True
         delivered = ray.get(
-            node_cache_here().deliver.remote(self.storage.url, weight_set, self.actor_name)
+            node_cache_here().deliver.remote(
+                self.storage.url, placement.weight_set, self.actor_name
+            )
         )
-        mount = Path(mount_location)
+        mount = Path(placement.mount_location)
         holder = (self.actor_name, self.job_id)
         place_link(mount, delivered["path"], "mount_location", holder, actor_alive)
         self._mounts.append((mount, delivered["path"]))
         # The whole of it as the job sees it: asking the cache, its copy if any, and the link.
-        seconds = round(time.monotonic() - started, 4)
-        return {**delivered, "seconds": seconds, "mount_location": str(mount)}
+        return Delivery(
+            tier=delivered["tier"],
+            seconds=round(time.monotonic() - started, 4),
+            bytes_copied=delivered["bytes_copied"],
+            mount_location=str(mount),
+            evicted=tuple(delivered.get("evicted") or ()),
+            over_budget=bool(delivered.get("over_budget")),
+        )
 
-    def run_commands(
-        self,
-        commands: list[str],
-        env: dict[str, str],
-        secrets: dict[str, str],
-        cwd: str,
-        rendezvous: Any,
-        gpus_per_node: int,
-    ) -> Iterator[tuple[str, Any]]:
-        """Join the group, then run `commands` in order through a shell, stopping at a failure.
+    def run_commands(self, request: StartRequest) -> Iterator[OutputLines | CommandsEnded]:
+        """Join the group, then run the commands in order through a shell, stopping at a failure.
 
-        Yields ("lines", [tagged lines]) as output arrives and finally ("result", {...}).
-        `secrets` maps env var names to secret names, resolved here and masked in every line.
+        Yields OutputLines as output arrives and finally CommandsEnded. `request.secrets` maps
+        env var names to secret names, resolved here and masked in every line.
         """
-        group = self._join(rendezvous)
+        commands, env, secrets, cwd = request.commands, request.env, request.secrets, request.cwd
+        gpus_per_node = request.gpus_per_node
+        group = self._join(request.rendezvous)
         if group is None:  # stopped while waiting for the other ranks
-            yield ("result", {"exit_code": 0, "command": None, "last_lines": [], "stopped": True})
+            yield CommandsEnded(exit_code=0, stopped=True)
             return
         values = {var: resolve_secret(name, self.team) for var, name in secrets.items()}
         mask = SecretMasker(list(values.values()))
@@ -268,18 +266,18 @@ class NodeAgent:
                 if batch:
                     tagged = [self._tag(mask(line)) for line in batch]
                     last_lines.extend(mask(line) for line in batch)
-                    yield ("lines", tagged)
+                    yield OutputLines(tagged)
             code = self._process.wait()
             if code != 0:
-                yield ("result", {
-                    "exit_code": code, "command": command, "last_lines": list(last_lines),
-                    "stopped": self._stopping.is_set(), "ended_at": time.time(),
-                })  # fmt: skip
+                yield CommandsEnded(
+                    exit_code=code, command=command, last_lines=list(last_lines),
+                    stopped=self._stopping.is_set(), ended_at=time.time(),
+                )  # fmt: skip
                 return
-        yield ("result", {
-            "exit_code": 0, "command": None, "last_lines": list(last_lines),
-            "stopped": self._stopping.is_set(), "ended_at": time.time(),
-        })  # fmt: skip
+        yield CommandsEnded(
+            exit_code=0, last_lines=list(last_lines), stopped=self._stopping.is_set(),
+            ended_at=time.time(),
+        )  # fmt: skip
 
     def _join(self, rendezvous: Any) -> dict[str, Any] | None:
         """Register this node's address and wait for every rank (the barrier).

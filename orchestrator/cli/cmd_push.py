@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -18,15 +17,9 @@ from orchestrator.cli.render import (
     print_json,
     print_warnings,
 )
-from orchestrator.client.connection import connect, storage
-from orchestrator.client.job_summary import describe_job
-from orchestrator.client.jobs import JobHandle
+from orchestrator.client import api
 from orchestrator.client.overrides import Overrides
-from orchestrator.client.prepare import PreparedJob, prepare_job
-from orchestrator.client.submit import submit
-from orchestrator.client.workspace import write_archive
 from orchestrator.spec.training import InteractiveSessionTrigger
-from orchestrator.storage.job_store import JobStore
 
 
 def push(
@@ -64,31 +57,26 @@ def push(
         job_name, team, node_count, accelerator, entrypoint,
         interactive.value if interactive else None, interactive_timeout_minutes, priority, spot,
     )  # fmt: skip
-    prepared = prepare_job(config, overrides=overrides)
     if dry_run:
-        _dry_run(prepared, output)
+        _print_dry_run(api.dry_run(config, overrides=overrides), output)
         return
-    print_warnings(list(prepared.warnings))
-    connection = connect(address)
-    store = JobStore(storage(storage_root))
-    record = submit(prepared, connection, store.root, colocate_ranks=colocate_ranks)
-    job = JobHandle(store, record)
+    job = api.push(
+        config, address=address, storage_root=storage_root, overrides=overrides,
+        colocate_ranks=colocate_ranks,
+    )  # fmt: skip
+    print_warnings(list(job.record.notices))
     announce(job, f"pushed job [bold]{job.id}[/bold]", output)
     if tail and (code := follow(job)):
         raise typer.Exit(code)
 
 
-def _dry_run(prepared: PreparedJob, output: OutputFormat) -> None:
-    with tempfile.TemporaryDirectory(prefix="orchestrator-dry-run-") as tmp:
-        archive = write_archive(prepared.plan, Path(tmp) / "workspace.tar")
-    summary = describe_job(prepared.project, prepared.plan)
-    summary["archive"].update(tar_bytes=archive.size_bytes, sha256=archive.sha256)
+def _print_dry_run(result: api.DryRun, output: OutputFormat) -> None:
     if output is OutputFormat.json:
-        print_json({"summary": summary, "warnings": list(prepared.warnings)})
+        print_json({"summary": result.summary, "warnings": list(result.warnings)})
         return
-    print_warnings(list(prepared.warnings))
-    print_job_summary({**summary, "notices": []})
+    print_warnings(list(result.warnings))
+    print_job_summary({**result.summary, "notices": []})
     console.print(
-        f"dry run: archive {human_bytes(archive.size_bytes)} sha256 {archive.sha256[:12]}; "
-        "nothing was submitted"
+        f"dry run: archive {human_bytes(result.archive_bytes)} sha256 "
+        f"{result.archive_sha256[:12]}; nothing was submitted"
     )

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from orchestrator.client.connection import connect, storage
+from orchestrator.client.job_summary import describe_job
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.overrides import Overrides
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import check_recreatable, recreate_job, submit
+from orchestrator.client.workspace import write_archive
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.training import TrainingProject
@@ -34,6 +39,33 @@ def push(
     store = JobStore(storage(storage_root))
     record = submit(prepared, connection, store.root, colocate_ranks=colocate_ranks)
     return JobHandle(store, record)
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What `push` would submit: the resolved job, the warnings, the code archive's size and
+    hash (`push --dry-run` prints this)."""
+
+    summary: dict[str, Any]
+    warnings: tuple[str, ...]
+    archive_bytes: int
+    archive_sha256: str
+
+
+def dry_run(
+    config: str | Path | TrainingProject,
+    source_dir: str | Path | None = None,
+    *,
+    overrides: Overrides | None = None,
+) -> DryRun:
+    """Everything `push` does short of submitting: load, override, validate, package. Reaches
+    no cluster and no storage root."""
+    prepared = prepare_job(config, source_dir, overrides)
+    with tempfile.TemporaryDirectory(prefix="orchestrator-dry-run-") as tmp:
+        archive = write_archive(prepared.plan, Path(tmp) / "workspace.tar")
+    summary = describe_job(prepared.project, prepared.plan)
+    summary["archive"].update(tar_bytes=archive.size_bytes, sha256=archive.sha256)
+    return DryRun(summary, tuple(prepared.warnings), archive.size_bytes, archive.sha256)
 
 
 def recreate(

@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from orchestrator.agents.messages import CacheRequest, PreparedNode
 from orchestrator.sizes import human_bytes
 from orchestrator.spec.training import DEFAULT_MOUNT_BASE_PATH
 from orchestrator.storage.records import CacheNode, CacheStatus, JobRecord
@@ -25,19 +26,19 @@ def cache_enabled(record: JobRecord) -> bool:
     return cache is not None and cache.enabled
 
 
-def cache_request(record: JobRecord) -> dict[str, Any] | None:
+def cache_request(record: JobRecord) -> CacheRequest | None:
     """What every agent's `prepare` gets for the cache, or None without one."""
     cache = record.spec.job.runtime.cache_config
     if cache is None or not cache.enabled:
         return None
-    return {
-        "team": record.team,
-        "project": record.project_key,
-        "mount_base_path": cache.mount_base_path,
+    return CacheRequest(
+        team=record.team,
+        project=record.project_key,
+        mount_base_path=cache.mount_base_path,
         # Baseten's default (written out or not: a stored record cannot tell) is relocated.
-        "explicit_base": cache.mount_base_path != DEFAULT_MOUNT_BASE_PATH,
-        "legacy_hf": cache.enable_legacy_hf_mount,
-    }
+        explicit_base=cache.mount_base_path != DEFAULT_MOUNT_BASE_PATH,
+        legacy_hf=cache.enable_legacy_hf_mount,
+    )
 
 
 def affinity_selector(
@@ -63,18 +64,19 @@ def affinity_selector(
     return [{NODE_ID_LABEL: f"in({','.join(held)})"}] * node_count, None
 
 
-def seeding_status(infos: list[dict[str, Any]], affinity: str | None) -> CacheStatus:
+def seeding_status(prepared: list[PreparedNode], affinity: str | None) -> CacheStatus:
     """The status's `cache` from the agents' prepare results."""
     nodes = []
     shared = False
-    for info in infos:
-        seeded = info["cache"]
+    for info in prepared:
+        seeded = info.cache
+        assert seeded is not None
         shared = shared or seeded["shared"]
         parts = (seeded["project"], seeded["team"])
         nodes.append(
             CacheNode(
-                rank=info["rank"],
-                node_id=info["node_id"],
+                rank=info.rank,
+                node_id=info.node_id,
                 had_copy=seeded["project"]["had_copy"],
                 files_seeded=sum(p["files"] for p in parts),
                 bytes_seeded=sum(p["bytes"] for p in parts),

@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from orchestrator.agents.messages import PreparedNode
 from orchestrator.agents.services import shared_actor
 from orchestrator.sizes import human_bytes
 from orchestrator.spec.weights import WeightsSource
@@ -88,16 +89,16 @@ def mirror_weights(
 
 
 def record_deliveries(
-    statuses: list[WeightsStatus], infos: list[dict[str, Any]], say: Callable[[str], None]
+    statuses: list[WeightsStatus], prepared: list[PreparedNode], say: Callable[[str], None]
 ) -> None:
     """Add each node's delivery (from the agents' prepare results) to the weights' status."""
-    for info in infos:
-        for i, delivered in enumerate(info.get("weights", [])):
+    for info in prepared:
+        for i, delivered in enumerate(info.weights):
             node = NodeDelivery(
-                rank=info["rank"],
-                tier=delivered["tier"],
-                seconds=delivered["seconds"],
-                bytes_copied=delivered["bytes_copied"],
+                rank=info.rank,
+                tier=delivered.tier,
+                seconds=delivered.seconds,
+                bytes_copied=delivered.bytes_copied,
             )
             statuses[i].nodes.append(node)
             how = (
@@ -107,9 +108,9 @@ def record_deliveries(
                 if node.tier == "cluster"
                 else f"copied {human_bytes(node.bytes_copied)} from the mirror"
             )
-            evicted = delivered.get("evicted") or []
+            evicted = delivered.evicted
             extra = f"; evicted {len(evicted)} older set(s)" if evicted else ""
-            if delivered.get("over_budget"):
+            if delivered.over_budget:
                 extra += "; the node cache is over its budget (every other set is in use)"
             say(
                 f"rank {node.rank}: weights[{i}] at {statuses[i].mount_location}: {how} "

@@ -1,0 +1,106 @@
+"""What crosses a Ray call between the controller and a job's node agents.
+
+Small frozen dataclasses rather than positional argument lists, string-keyed dicts and tagged
+tuples: a misspelt field is an error where it is written, not a KeyError in a worker later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.storage.records import NodeInfo
+
+
+@dataclass(frozen=True)
+class WeightPlacement:
+    """One mirrored weight set (the mirror's `WeightSet` dump) and where the job sees it."""
+
+    weight_set: dict[str, Any]
+    mount_location: str
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """The training cache a rank links in (controller/training_cache.py decides)."""
+
+    team: str | None
+    project: str
+    mount_base_path: str
+    explicit_base: bool
+    legacy_hf: bool
+
+
+@dataclass(frozen=True)
+class PrepareRequest:
+    """Everything a node needs before the commands: code, directories, checkpoints, weights."""
+
+    archive_path: str
+    sha256: str
+    checkpoint_dir: str | None = None  # checkpointing_config.checkpoint_path, when set
+    secret_names: tuple[str, ...] = ()  # checked on the node before anything else
+    load: tuple[dict[str, Any], ...] = ()  # manifests of checkpoints to load
+    download_folder: str | None = None
+    weights: tuple[WeightPlacement, ...] = ()
+    cache: CacheRequest | None = None
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """How one weight set reached a node (its node cache's answer, and the link placed)."""
+
+    tier: str  # node | cluster | mirror: where the bytes came from
+    seconds: float
+    bytes_copied: int
+    mount_location: str
+    evicted: tuple[str, ...] = ()
+    over_budget: bool = False
+
+
+@dataclass(frozen=True)
+class PreparedNode:
+    """A prepared rank: where it runs, and what its weights and cache cost."""
+
+    rank: int
+    node_id: str
+    ip: str
+    hostname: str
+    working_dir: str
+    weights: tuple[Delivery, ...] = ()
+    cache: dict[str, Any] | None = None  # the node's cache seeder's answer, plus `env`
+
+    def node_info(self) -> NodeInfo:
+        return NodeInfo(
+            rank=self.rank, node_id=self.node_id, ip=self.ip, hostname=self.hostname,
+            working_dir=self.working_dir,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    """One rank's commands and what they run with."""
+
+    commands: tuple[str, ...]
+    env: dict[str, str]
+    secrets: dict[str, str]  # env var -> secret name, resolved on the node
+    cwd: str
+    gpus_per_node: int
+    rendezvous: Any = None  # the job's Rendezvous actor; None for a group of one
+
+
+@dataclass(frozen=True)
+class OutputLines:
+    """Lines the rank's commands printed (tagged, secrets masked)."""
+
+    lines: list[str]
+
+
+@dataclass(frozen=True)
+class CommandsEnded:
+    """How a rank's commands ended: the last item of its stream."""
+
+    exit_code: int
+    command: str | None = None  # the one that failed; None when all exited 0 or none ran
+    last_lines: list[str] = field(default_factory=list)
+    stopped: bool = False  # the rank was asked to stop
+    ended_at: float | None = None
