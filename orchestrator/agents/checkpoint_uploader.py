@@ -22,7 +22,7 @@ from orchestrator.agents.checkpoint_rules import (
     top_level,
     unfinished,
 )
-from orchestrator.agents.node_root import job_node_dir
+from orchestrator.agents.node_root import RankDirs
 from orchestrator.agents.rename_watch import RenameWatch
 from orchestrator.storage.checkpoints import (
     CheckpointChanged,
@@ -92,8 +92,9 @@ class CheckpointUploader:
         self.events: list[str] = []
         retry = StorageRetry(storage_root, outage_s, say=self._event)
         self.store = CheckpointStore(StorageRoot(storage_root, retry))
-        self.job_dir = job_node_dir(job_id, rank)
-        self.local_dir = Path(local_dir) if local_dir else self.job_dir / "checkpoints"
+        dirs = RankDirs.of(job_id, rank)
+        self.job_dir = dirs.base
+        self.local_dir = Path(local_dir) if local_dir else dirs.checkpoints
         self.settings = UploadSettings.model_validate(settings)
         self.volume_bytes = volume_size_gib * 2**30 if volume_size_gib else None
         self.earlier: dict[str, str] = dict(earlier or {})

@@ -35,7 +35,7 @@ from orchestrator.agents.messages import (
     StartRequest,
     WeightPlacement,
 )
-from orchestrator.agents.node_root import job_node_dir
+from orchestrator.agents.node_root import RankDirs
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
 from orchestrator.agents.services import actor_alive
@@ -90,9 +90,10 @@ class NodeAgent:
     def __init__(self, job_id: str, rank: int, storage_root: str, team: str | None = None) -> None:
         self.job_id, self.rank, self.team = job_id, rank, team
         self.storage = StorageRoot(storage_root)
-        self.base = job_node_dir(job_id, rank)
-        self.working_dir = self.base / "workspace"
-        self.scratch_dir = self.base / "scratch"
+        self.dirs = RankDirs.of(job_id, rank)
+        self.base = self.dirs.base
+        self.working_dir = self.dirs.workspace
+        self.scratch_dir = self.dirs.scratch
         self.actor_name = agent_name(job_id, rank)
         self._process: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
@@ -142,17 +143,17 @@ class NodeAgent:
         with tarfile.open(local_tar) as tar:
             tar.extractall(self.working_dir, filter="tar")
         local_tar.unlink()
-        (self.base / "checkpoints").mkdir(exist_ok=True)
+        (self.dirs.checkpoints).mkdir(exist_ok=True)
         if checkpoint_dir:
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         # Before any command runs: what a reused checkpoint_path already holds is not this job's.
         from orchestrator.agents.checkpoint_rules import write_earlier_checkpoints
 
-        write_earlier_checkpoints(Path(checkpoint_dir or self.base / "checkpoints"), self.base)
+        write_earlier_checkpoints(Path(checkpoint_dir or self.dirs.checkpoints), self.base)
         if load and download_folder:
             store = CheckpointStore(self.storage)
             folder = (
-                self.base / "loaded_checkpoints"
+                self.dirs.loaded_checkpoints
                 if download_folder == DEFAULT_DOWNLOAD_FOLDER
                 else Path(download_folder)
             )
@@ -176,7 +177,7 @@ class NodeAgent:
         seeder = cache_seeder_here()
         seeded = ray.get(seeder.seed.remote(self.storage.url, request.team, request.project))
         explicit_base = request.explicit_base
-        base = Path(request.mount_base_path) if explicit_base else self.base / "cache"
+        base = Path(request.mount_base_path) if explicit_base else self.dirs.cache
         self._cache_mounts = mount_caches(
             base,
             seeded["project"]["path"],
@@ -377,14 +378,14 @@ class NodeAgent:
         self._unmount_weights()
         if self._cache_mounts is not None:
             self._cache_mounts.remove()
-        shutil.rmtree(self.base / "cache", ignore_errors=True)
+        shutil.rmtree(self.dirs.cache, ignore_errors=True)
         shutil.rmtree(self.scratch_dir, ignore_errors=True)
         shutil.rmtree(self.working_dir, ignore_errors=True)
-        shutil.rmtree(self.base / "loaded_checkpoints", ignore_errors=True)
+        shutil.rmtree(self.dirs.loaded_checkpoints, ignore_errors=True)
         (self.base / EARLIER_CHECKPOINTS).unlink(missing_ok=True)
         if not keep_checkpoints:
-            shutil.rmtree(self.base / "checkpoints", ignore_errors=True)
-        for empty in (self.base / "checkpoints", self.base, self.base.parent):
+            shutil.rmtree(self.dirs.checkpoints, ignore_errors=True)
+        for empty in (self.dirs.checkpoints, self.base, self.base.parent):
             with contextlib.suppress(OSError):
                 empty.rmdir()
 

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+from orchestrator.agents.node_root import RankDirs
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.records import JobRecord, NodeInfo
 
 
-def _node_job_dir(node: NodeInfo) -> str:
+def _dirs(node: NodeInfo) -> RankDirs:
     assert node.working_dir is not None
-    return node.working_dir.rsplit("/", 1)[0]
+    return RankDirs.around(node.working_dir)
 
 
 def checkpoint_dir(record: JobRecord, node: NodeInfo) -> str:
     """`checkpoint_path` if set, else a directory private to this job on the node."""
     path = record.spec.job.runtime.checkpointing_config.checkpoint_path
-    return path or f"{_node_job_dir(node)}/checkpoints"
+    return path or str(_dirs(node).checkpoints)
 
 
 def load_dir(record: JobRecord, node: NodeInfo) -> str:
@@ -23,7 +24,7 @@ def load_dir(record: JobRecord, node: NodeInfo) -> str:
     load = record.spec.job.runtime.load_checkpoint_config
     folder = load.download_folder if load is not None else DEFAULT_DOWNLOAD_FOLDER
     if folder == DEFAULT_DOWNLOAD_FOLDER:
-        return f"{_node_job_dir(node)}/loaded_checkpoints"
+        return str(_dirs(node).loaded_checkpoints)
     return folder
 
 
@@ -34,7 +35,6 @@ def job_environment(record: JobRecord, node: NodeInfo) -> dict[str, str]:
     """
     job = record.spec.job
     assert node.working_dir is not None
-    scratch = node.working_dir.rsplit("/", 1)[0] + "/scratch"
     env = {
         "BT_TRAINING_JOB_ID": record.job_id,
         "BT_TRAINING_JOB_NAME": job.name or record.job_id,
@@ -42,7 +42,7 @@ def job_environment(record: JobRecord, node: NodeInfo) -> dict[str, str]:
         "BT_TRAINING_PROJECT_NAME": record.project,
         "BT_NUM_GPUS": str(job.compute.gpus_per_node),
         "BT_WORKING_DIR": node.working_dir,
-        "BT_SCRATCH_DIR": scratch,
+        "BT_SCRATCH_DIR": str(_dirs(node).scratch),
         "BT_RETRY_COUNT": "0",
     }
     if job.runtime.checkpointing_config.enabled:
