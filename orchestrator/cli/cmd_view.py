@@ -111,7 +111,7 @@ def _unstored_warnings(rows: list[dict]) -> list[str]:
 
 def _job_row(job: JobHandle, details: JobStatus | None = None) -> dict:
     r = job.record
-    details = details or job.details()
+    details = details or job.refresh()
     summary = details.checkpoints
     return {
         "id": job.id,
@@ -127,7 +127,7 @@ def _job_row(job: JobHandle, details: JobStatus | None = None) -> dict:
 
 
 def _job_detail(job: JobHandle) -> dict:
-    details = job.details()
+    details = job.refresh()
     summary = details.checkpoints
     return {
         **_job_row(job, details),

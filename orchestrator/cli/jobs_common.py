@@ -51,7 +51,7 @@ def follow(job: JobHandle) -> int:
 def print_ending(job: JobHandle) -> int:
     """How the job ended, and any checkpoint it did not store whole; the exit code that says so:
     0 completed, 3 completed without every checkpoint stored, 1 anything else."""
-    details = job.details()
+    details = job.refresh()
     state = details.state
     summary = details.checkpoints
     unstored = summary is not None and not summary.all_uploaded

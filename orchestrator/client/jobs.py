@@ -64,7 +64,12 @@ class JobHandle:
         return views[key]
 
     def details(self) -> JobStatus:
-        """The stored status, reconciled with Ray if the controller died without a word."""
+        """The stored status, as the job's controller last recorded it (a read, no network)."""
+        return self._store.status(self.id)
+
+    def refresh(self) -> JobStatus:
+        """The stored status, reconciled with Ray: a job whose controller or cluster died
+        without a word is recorded FAILED (or STOPPED) here, with why."""
         status = self._store.status(self.id)
         if status.state.is_terminal or self.record.ray_address is None:
             return status
@@ -84,13 +89,14 @@ class JobHandle:
         return status
 
     def status(self) -> JobState:
+        """The stored state (no network: `refresh()` asks Ray)."""
         return self.details().state
 
     def wait(self, timeout: float | None = None) -> JobState:
         """Block until the job ends; TimeoutError after `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            state = self.status()
+            state = self.refresh().state
             if state.is_terminal:
                 return state
             if deadline is not None and time.monotonic() > deadline:
@@ -106,7 +112,7 @@ class JobHandle:
     def _follow(self) -> Iterator[str]:
         cursor = -1
         while True:
-            ended = self.status().is_terminal
+            ended = self.refresh().state.is_terminal
             lines, cursor = read_logs(self._store.root, self.id, cursor)
             yield from lines
             if ended:
@@ -115,8 +121,8 @@ class JobHandle:
 
     def stop(self, timeout: float = 90) -> JobState:
         """Stop the job (SIGTERM to its commands, SIGKILL after a grace period) and wait."""
-        if self.status().is_terminal:
-            return self.status()
+        if (state := self.refresh().state).is_terminal:
+            return state
         client = self._client()
         try:
             client.stop_job(self.id)
@@ -163,8 +169,8 @@ class JobHandle:
                 f"job {self.id} has no interactive_session in its config: set one (trigger "
                 "on_demand holds the nodes only when asked) and push again"
             )
-        if self.status().is_terminal:
-            raise OrchestratorError(f"job {self.id} has ended ({self.status().value})")
+        if (state := self.refresh().state).is_terminal:
+            raise OrchestratorError(f"job {self.id} has ended ({state.value})")
         until = time.time() + minutes * 60
         self._store.root.write_json(layout.session(self.id), {"held_until": until})
         return until
@@ -174,8 +180,8 @@ class JobHandle:
         through Ray Client; the shell's exit code (client/terminal.py)."""
         from orchestrator.client.terminal import attach
 
-        if self.status().is_terminal:
-            raise OrchestratorError(f"job {self.id} has ended ({self.status().value})")
+        if (state := self.refresh().state).is_terminal:
+            raise OrchestratorError(f"job {self.id} has ended ({state.value})")
         return attach(self, rank, stdin_fd, stdout_fd)
 
     def exec(self, command: str, rank: int = 0, timeout_s: float = 600) -> tuple[int, str]:
@@ -185,8 +191,8 @@ class JobHandle:
         from orchestrator.client.submit import remote_python
         from orchestrator.controller.job_shell import NOT_RUN_EXIT, OUTPUT_MARKER
 
-        if self.status().is_terminal:
-            raise OrchestratorError(f"job {self.id} has ended ({self.status().value})")
+        if (state := self.refresh().state).is_terminal:
+            raise OrchestratorError(f"job {self.id} has ended ({state.value})")
         client = self._client()
         entrypoint = shlex.join([
             remote_python(self.record.embedded_cluster), "-m", "orchestrator.controller.job_shell",
