@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-ORCHESTRATOR_HOME_ENV = "ORCHESTRATOR_HOME"
+from orchestrator import settings
+
+ORCHESTRATOR_HOME_ENV = settings.HOME.name
 
 
 def orchestrator_home() -> Path:
     """`$ORCHESTRATOR_HOME`, else ~/.orchestrator (the local cluster's state, the storage root)."""
-    configured = os.environ.get(ORCHESTRATOR_HOME_ENV)
+    configured = settings.HOME.get()
     return Path(configured).expanduser() if configured else Path.home() / ".orchestrator"

@@ -15,7 +15,7 @@ from orchestrator.client.workspace import (
     plan_workspace,
     write_archive,
 )
-from orchestrator.errors import WorkspaceError
+from orchestrator.errors import ConfigError, WorkspaceError
 from orchestrator.spec.workspace import Workspace
 
 
@@ -277,7 +277,7 @@ def test_size_cap_comes_from_the_environment(
         plan_workspace(tmp_path)
     assert plan_workspace(tmp_path, max_bytes=5000).file_count == 1
     monkeypatch.setenv(MAX_ARCHIVE_BYTES_ENV, "1G")
-    with pytest.raises(WorkspaceError, match="whole number of bytes"):
+    with pytest.raises(ConfigError, match=f"{MAX_ARCHIVE_BYTES_ENV} is not a whole number"):
         plan_workspace(tmp_path)
 
 

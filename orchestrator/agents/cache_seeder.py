@@ -11,29 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from orchestrator import settings
 from orchestrator.agents.services import shared_actor, this_node_id
 from orchestrator.home import orchestrator_home
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.training_cache import NO_TEAM, CacheStore, LocalCopy
 
-SHARED_CACHE_DIR_ENV = "ORCHESTRATOR_SHARED_CACHE_DIR"
-NODE_TRAINING_CACHE_DIR_ENV = "ORCHESTRATOR_TRAINING_CACHE_DIR"
+SHARED_CACHE_DIR_ENV = settings.SHARED_CACHE_DIR.name
+NODE_TRAINING_CACHE_DIR_ENV = settings.TRAINING_CACHE_DIR.name
 
 
 def copies_dir() -> Path:
-    shared = os.environ.get(SHARED_CACHE_DIR_ENV)
+    shared = settings.SHARED_CACHE_DIR.get()
     if shared:
         return Path(shared)
     # Not in the node root (a temp dir by default): a cleaner emptying it would look like the
     # job deleting those files, and the write-back would delete them for everyone.
     home = orchestrator_home() / "training-cache"
-    return Path(os.environ.get(NODE_TRAINING_CACHE_DIR_ENV) or home)
+    return Path(settings.TRAINING_CACHE_DIR.get() or home)
 
 
 class CacheSeeder:
@@ -41,7 +41,7 @@ class CacheSeeder:
 
     def __init__(self) -> None:
         self.base = copies_dir()
-        self.shared = bool(os.environ.get(SHARED_CACHE_DIR_ENV))
+        self.shared = bool(settings.SHARED_CACHE_DIR.get())
 
     def seed(self, storage_root: str, team: str | None, project: str) -> dict[str, Any]:
         """Update this node's copies; their directories and what it took."""

@@ -8,7 +8,6 @@ until the budget needs its room (least recently used first, never while a job us
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 import time
@@ -16,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from orchestrator import settings
 from orchestrator.agents.services import actor_alive, shared_actor, this_node_id
 from orchestrator.home import orchestrator_home
 from orchestrator.storage.parallel import parallel_map
@@ -23,10 +23,10 @@ from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.set_cache import SetCache
 from orchestrator.storage.weights import WeightSet, copy_concurrency, file_path
 
-NODE_CACHE_DIR_ENV = "ORCHESTRATOR_NODE_CACHE_DIR"
-NODE_CACHE_GIB_ENV = "ORCHESTRATOR_NODE_CACHE_GIB"
-CLUSTER_CACHE_DIR_ENV = "ORCHESTRATOR_CLUSTER_CACHE_DIR"
-CLUSTER_CACHE_GIB_ENV = "ORCHESTRATOR_CLUSTER_CACHE_GIB"
+NODE_CACHE_DIR_ENV = settings.NODE_CACHE_DIR.name
+NODE_CACHE_GIB_ENV = settings.NODE_CACHE_GIB.name
+CLUSTER_CACHE_DIR_ENV = settings.CLUSTER_CACHE_DIR.name
+CLUSTER_CACHE_GIB_ENV = settings.CLUSTER_CACHE_GIB.name
 GIB = 1024**3
 
 
@@ -35,13 +35,13 @@ class NodeCache:
 
     def __init__(self) -> None:
         # Not in the node root (a temp dir by default): caches must outlive reboots and cleaners.
-        directory = Path(
-            os.environ.get(NODE_CACHE_DIR_ENV) or orchestrator_home() / "weights-cache"
-        )
-        self.node = SetCache(directory, _budget(directory, NODE_CACHE_GIB_ENV))
-        shared = os.environ.get(CLUSTER_CACHE_DIR_ENV)
+        directory = Path(settings.NODE_CACHE_DIR.get() or orchestrator_home() / "weights-cache")
+        self.node = SetCache(directory, _budget(directory, settings.NODE_CACHE_GIB))
+        shared = settings.CLUSTER_CACHE_DIR.get()
         self.cluster = (
-            SetCache(Path(shared), _budget(Path(shared), CLUSTER_CACHE_GIB_ENV)) if shared else None
+            SetCache(Path(shared), _budget(Path(shared), settings.CLUSTER_CACHE_GIB))
+            if shared
+            else None
         )
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
 
@@ -119,10 +119,10 @@ def _check_sizes(dest: Path, ws: WeightSet) -> None:
             raise RuntimeError(f"{ws.source}: {f.path} arrived with {size} bytes, not {f.size}")
 
 
-def _budget(directory: Path, env: str) -> int:
+def _budget(directory: Path, env: settings.Setting[float | None]) -> int:
     """From `env` (GiB), else 80% of what the cache could use when it starts: the disk's free
     space plus what the cache already holds (a restart must not shrink it)."""
-    if value := os.environ.get(env):
-        return int(float(value) * GIB)
+    if (value := env.get()) is not None:
+        return int(value * GIB)
     held = SetCache(directory, 0).usage()["used_bytes"]
     return int((shutil.disk_usage(directory).free + held) * 0.8)

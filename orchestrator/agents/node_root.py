@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-NODE_ROOT_ENV = "ORCHESTRATOR_NODE_ROOT"
+from orchestrator import settings
+
+NODE_ROOT_ENV = settings.NODE_ROOT.name
 
 
 def node_root() -> Path:
     """Node-local base for jobs' working, scratch and checkpoint directories, and weights."""
-    return Path(os.environ.get(NODE_ROOT_ENV) or Path(tempfile.gettempdir()) / "orchestrator")
+    return Path(settings.NODE_ROOT.get() or Path(tempfile.gettempdir()) / "orchestrator")
 
 
 def job_node_dir(job_id: str, rank: int) -> Path:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from orchestrator import settings
 from orchestrator.errors import OrchestratorError
 from orchestrator.spec.weights import WeightsSource
 
@@ -28,10 +29,8 @@ from orchestrator.spec.weights import WeightsSource
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-R2_ENDPOINT_ENV = "ORCHESTRATOR_R2_ENDPOINT_URL"
-R2_DEFAULT_ENDPOINT = "https://{account_id}.r2.cloudflarestorage.com"
-CW_ENDPOINT_ENV = "ORCHESTRATOR_CW_ENDPOINT_URL"
-CW_DEFAULT_ENDPOINT = "https://cwobject.com"  # inside CoreWeave, http://cwlota.com (LOTA) is faster
+R2_ENDPOINT_ENV = settings.R2_ENDPOINT_URL.name
+CW_ENDPOINT_ENV = settings.CW_ENDPOINT_URL.name
 _HF_REPO = re.compile(
     r"^hf://(?:(?P<kind>datasets|spaces|models)/)?(?P<repo>[^@]+)(?:@(?P<rev>.+))?$"
 )
@@ -245,11 +244,11 @@ def _filesystem(source: str, secret: str | None) -> tuple[Any, str]:
                 options["client_kwargs"] = {"region_name": creds["aws_region"]}
         if scheme == "r2":
             account, _, bucket_path = rest.partition(".")
-            template = os.environ.get(R2_ENDPOINT_ENV) or R2_DEFAULT_ENDPOINT
+            template = settings.R2_ENDPOINT_URL.get()
             options["endpoint_url"] = template.format(account_id=account)
             rest = bucket_path
         if scheme == "cw":
-            options["endpoint_url"] = os.environ.get(CW_ENDPOINT_ENV) or CW_DEFAULT_ENDPOINT
+            options["endpoint_url"] = settings.CW_ENDPOINT_URL.get()
             # CoreWeave serves only virtual-hosted requests (https://bucket.cwobject.com/key), at
             # cwlota.com too. botocore still addresses an endpoint given as an IP by path, as a
             # loopback test server needs.

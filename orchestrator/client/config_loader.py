@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
-from orchestrator import definitions
+from orchestrator import definitions, settings
 from orchestrator.client.truss_compat import (
     PushWhileLoading,
     baseten_imports,
@@ -26,8 +26,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.spec.training import TrainingProject
 from orchestrator.spec.validation import describe_validation_error
 
-LOAD_TIMEOUT_ENV = "ORCHESTRATOR_CONFIG_LOAD_TIMEOUT_S"
-DEFAULT_LOAD_TIMEOUT_S = 60.0
+LOAD_TIMEOUT_ENV = settings.CONFIG_LOAD_TIMEOUT_S.name
 
 
 @dataclass(frozen=True)
@@ -117,14 +116,7 @@ class _ExitCalled(BaseException):
 
 
 def load_timeout() -> float:
-    raw = os.environ.get(LOAD_TIMEOUT_ENV, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_LOAD_TIMEOUT_S
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ConfigError(f"{LOAD_TIMEOUT_ENV} must be a number of seconds above 0 (got {raw!r})")
-    return value
+    return settings.CONFIG_LOAD_TIMEOUT_S.get()
 
 
 def _run(code: CodeType, namespace: dict[str, Any], config_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 import shlex
 import sys
@@ -10,10 +9,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from orchestrator import settings
 from orchestrator.client.connection import Connection
 from orchestrator.client.prepare import PreparedJob
 from orchestrator.client.workspace import write_archive
-from orchestrator.envflags import env_flag
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.checkpoints import UploadSettings
@@ -23,10 +22,9 @@ from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStat
 from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.root import StorageRoot
 
-REMOTE_PYTHON_ENV = "ORCHESTRATOR_PYTHON"
-SHARED_FS_ENV = "ORCHESTRATOR_SHARED_FILESYSTEM"
-SCHEDULING_TIMEOUT_ENV = "ORCHESTRATOR_SCHEDULING_TIMEOUT_S"
-DEFAULT_SCHEDULING_TIMEOUT_S = 600.0
+REMOTE_PYTHON_ENV = settings.PYTHON.name
+SHARED_FS_ENV = settings.SHARED_FILESYSTEM.name
+SCHEDULING_TIMEOUT_ENV = settings.SCHEDULING_TIMEOUT_S.name
 
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -37,7 +35,7 @@ def new_job_id() -> str:
 
 
 def scheduling_timeout() -> float:
-    return float(os.environ.get(SCHEDULING_TIMEOUT_ENV) or DEFAULT_SCHEDULING_TIMEOUT_S)
+    return settings.SCHEDULING_TIMEOUT_S.get()
 
 
 def store_job(
@@ -100,7 +98,7 @@ def remote_python(embedded: bool) -> str:
     """The interpreter a Ray job's entrypoint runs on the head node. The embedded cluster runs
     here: this very interpreter, which has orchestrator installed. Any other cluster uses its own
     `python` (or $ORCHESTRATOR_PYTHON)."""
-    return os.environ.get(REMOTE_PYTHON_ENV) or (sys.executable if embedded else "python")
+    return settings.PYTHON.get() or (sys.executable if embedded else "python")
 
 
 def controller_entrypoint(job_id: str, root: StorageRoot, connection: Connection) -> str:
@@ -116,7 +114,7 @@ def controller_entrypoint(job_id: str, root: StorageRoot, connection: Connection
 
 def check_storage_reachable(connection: Connection, root: StorageRoot) -> None:
     """A cluster elsewhere cannot read a directory on this machine: refuse before creating."""
-    if root.is_local and not connection.on_this_machine and not env_flag(SHARED_FS_ENV):
+    if root.is_local and not connection.on_this_machine and not settings.SHARED_FILESYSTEM.get():
         raise OrchestratorError(
             f"the storage root {root.url} is a local directory, but the cluster at "
             f"{connection.address} is another machine and cannot read it. Use an object store "

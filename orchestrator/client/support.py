@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from orchestrator.errors import ConfigError, UnsupportedFeatureError
+from orchestrator import settings
+from orchestrator.errors import UnsupportedFeatureError
 from orchestrator.spec.training import AvailabilityModel, TrainingJob
 from orchestrator.spec.weights import WeightsAuthMethod
 
@@ -24,21 +24,15 @@ class SupportReport:
 
 
 # Counts beyond any cluster these jobs run on: a typo (node_count=80 for 8) is refused before
-# anything is submitted, rather than waiting the scheduling timeout out. (variable, default)
-MAX_NODE_COUNT = ("ORCHESTRATOR_MAX_NODE_COUNT", 256)
-MAX_CPU_COUNT = ("ORCHESTRATOR_MAX_CPU_COUNT", 1024)
-MAX_GPUS_PER_NODE = ("ORCHESTRATOR_MAX_GPUS_PER_NODE", 16)
+# anything is submitted, rather than waiting the scheduling timeout out.
+MAX_NODE_COUNT = settings.MAX_NODE_COUNT
+MAX_CPU_COUNT = settings.MAX_CPU_COUNT
+MAX_GPUS_PER_NODE = settings.MAX_GPUS_PER_NODE
 
 
-def limit(setting: tuple[str, int]) -> int:
-    """A limit's value: its variable, else the default; a bad value is a ConfigError."""
-    var, default = setting
-    raw = os.environ.get(var, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise ConfigError(f"{var} must be a whole number of at least 1 (got {raw!r})")
-    return int(raw)
+def limit(setting: settings.Setting[int]) -> int:
+    """A limit's value: its variable, else the default; a bad value is a SettingError."""
+    return setting.get()
 
 
 def _over_limits(job: TrainingJob) -> list[str]:
@@ -50,7 +44,7 @@ def _over_limits(job: TrainingJob) -> list[str]:
     )
     return [
         f"{field}: {value} {what} is more than any cluster here has (at most "
-        f"{limit(setting)}; {setting[0]} raises the limit)"
+        f"{limit(setting)}; {setting.name} raises the limit)"
         for field, value, setting, what in checks
         if value > limit(setting)
     ]

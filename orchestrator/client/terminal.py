@@ -20,12 +20,12 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+from orchestrator import settings
 from orchestrator.errors import OrchestratorError
 
-RAY_CLIENT_ADDRESS_ENV = "ORCHESTRATOR_RAY_CLIENT_ADDRESS"
+RAY_CLIENT_ADDRESS_ENV = settings.RAY_CLIENT_ADDRESS.name
 RAY_CLIENT_PORT = 10001  # `ray start --head`'s default --ray-client-server-port
-LOST_AFTER_ENV = "ORCHESTRATOR_TERMINAL_LOST_S"
-DEFAULT_LOST_AFTER_S = 60.0  # the node ends a terminal whose client has not read for this long
+LOST_AFTER_ENV = settings.TERMINAL_LOST_S.name
 READ_WAIT_S = 0.5
 NOT_ATTACHED_EXIT = 255
 
@@ -33,7 +33,7 @@ NOT_ATTACHED_EXIT = 255
 def ray_client_address(record: Any) -> str:
     """$ORCHESTRATOR_RAY_CLIENT_ADDRESS, else the embedded cluster's, else the dashboard's host at
     Ray Client's default port."""
-    if address := os.environ.get(RAY_CLIENT_ADDRESS_ENV):
+    if address := settings.RAY_CLIENT_ADDRESS.get():
         return address if address.startswith("ray://") else f"ray://{address}"
     if record.embedded_cluster:
         from orchestrator.cluster.local import LocalCluster
@@ -81,7 +81,7 @@ def attach(job: Any, rank: int, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
                 "nodes are not prepared yet"
             ) from None
         rows, cols = _size(stdout_fd)
-        lost_after_s = float(os.environ.get(LOST_AFTER_ENV) or DEFAULT_LOST_AFTER_S)
+        lost_after_s = settings.TERMINAL_LOST_S.get()
         term = os.environ.get("TERM", "xterm-256color")
         try:
             terminal_id = ray.get(agent.terminal_open.remote(rows, cols, term, lost_after_s))

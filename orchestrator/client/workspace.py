@@ -18,11 +18,11 @@ from typing import BinaryIO
 
 from pathspec import GitIgnoreSpec
 
+from orchestrator import settings
 from orchestrator.errors import WorkspaceError
 from orchestrator.spec.workspace import Workspace
 
-DEFAULT_MAX_ARCHIVE_BYTES = 5 * 1024**3
-MAX_ARCHIVE_BYTES_ENV = "ORCHESTRATOR_MAX_ARCHIVE_BYTES"
+MAX_ARCHIVE_BYTES_ENV = settings.MAX_ARCHIVE_BYTES.name
 IGNORE_FILE = ".truss_ignore"
 # Used only when a tree has no `.truss_ignore`; `.env` is here because it usually holds secrets.
 DEFAULT_IGNORE_PATTERNS = (
@@ -255,16 +255,7 @@ class _Tree:
 def _max_bytes(explicit: int | None) -> int:
     if explicit is not None:
         return explicit
-    raw = os.environ.get(MAX_ARCHIVE_BYTES_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_ARCHIVE_BYTES
-    try:
-        return int(raw)
-    except ValueError:
-        raise WorkspaceError(
-            f"{MAX_ARCHIVE_BYTES_ENV}={raw!r} is not a whole number of bytes",
-            [f"set it to e.g. {10 * 1024**3} for 10 GiB, or unset it for the 5 GiB default"],
-        ) from None
+    return settings.MAX_ARCHIVE_BYTES.get()
 
 
 def _check_size(plan: WorkspacePlan, max_bytes: int) -> None:

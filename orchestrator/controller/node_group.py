@@ -19,6 +19,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orchestrator import settings
 from orchestrator.agents.messages import (
     CommandsEnded,
     OutputLines,
@@ -32,7 +33,6 @@ from orchestrator.agents.services import NAMESPACE
 from orchestrator.controller.checkpointing import RankEnding, Uploaders
 from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
 from orchestrator.controller.training_cache import affinity_selector
-from orchestrator.envflags import env_flag
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.records import Failure, JobRecord
 
@@ -309,12 +309,12 @@ class RayNodeGroup:
             remove_placement_group(self.pg)
 
 
-IMAGE_URI_ENV = "ORCHESTRATOR_USE_IMAGE_URI"
+IMAGE_URI_ENV = settings.USE_IMAGE_URI.name
 
 
 def use_image_uri() -> bool:
     """Run agents in the job's base image (a cluster with podman/docker for Ray's image_uri)."""
-    return env_flag(IMAGE_URI_ENV)
+    return settings.USE_IMAGE_URI.get()
 
 
 def short_error(e: BaseException) -> str:

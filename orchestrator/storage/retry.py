@@ -22,12 +22,13 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from orchestrator import settings
 from orchestrator.errors import ConfigError, OrchestratorError
 
 T = TypeVar("T")
 
-OUTAGE_ENV = "ORCHESTRATOR_STORAGE_OUTAGE_S"
-ON_ERROR_ENV = "ORCHESTRATOR_ON_STORAGE_ERROR"
+OUTAGE_ENV = settings.STORAGE_OUTAGE_S.name
+ON_ERROR_ENV = settings.ON_STORAGE_ERROR.name
 DEFAULT_OUTAGE_S = 1800.0
 FIRST_WAIT_S = 0.5
 MAX_WAIT_S = 10.0

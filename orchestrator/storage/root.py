@@ -15,10 +15,11 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from orchestrator import settings
 from orchestrator.home import orchestrator_home
 from orchestrator.storage.retry import StorageRetry
 
-STORAGE_ROOT_ENV = "ORCHESTRATOR_STORAGE_ROOT"
+STORAGE_ROOT_ENV = settings.STORAGE_ROOT.name
 # gcsfs's experimental hierarchical-namespace probing hangs for 60 s against GCS emulators; it
 # must be off before gcsfs is imported.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -26,7 +27,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 def default_storage_root() -> str:
     """$ORCHESTRATOR_STORAGE_ROOT, else `storage/` under $ORCHESTRATOR_HOME (~/.orchestrator)."""
-    return os.environ.get(STORAGE_ROOT_ENV) or str(orchestrator_home() / "storage")
+    return settings.STORAGE_ROOT.get() or str(orchestrator_home() / "storage")
 
 
 def _storage_options(url: str) -> dict[str, Any]:

@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from orchestrator import settings
 from orchestrator.errors import OrchestratorError
 from orchestrator.home import orchestrator_home
 from orchestrator.spec.base import check_safe_name
 from orchestrator.spec.secrets import check_secret_name
 
-SECRETS_DIR_ENV = "ORCHESTRATOR_SECRETS_DIR"
+SECRETS_DIR_ENV = settings.SECRETS_DIR.name
 SECRET_ENV_PREFIX = "ORCHESTRATOR_SECRET_"
 _DEFAULT_SCOPE = "default"
 _TEAMS = "teams"
@@ -104,7 +105,7 @@ def default_secrets_dir() -> Path:
     """$ORCHESTRATOR_SECRETS_DIR, else `secrets/` under $ORCHESTRATOR_HOME; never in the root."""
     from orchestrator.storage.root import default_storage_root
 
-    configured = os.environ.get(SECRETS_DIR_ENV)
+    configured = settings.SECRETS_DIR.get()
     directory = Path(configured).expanduser() if configured else orchestrator_home() / "secrets"
     directory = directory.absolute()
     root = default_storage_root()

@@ -12,11 +12,11 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-import os
 import time
 
 from pydantic import Field
 
+from orchestrator import settings
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.stored import Stored
 
@@ -67,12 +67,12 @@ def select(paths: list[str], allow: list[str] | None, ignore: list[str] | None) 
     ]
 
 
-CONCURRENCY_ENV = "ORCHESTRATOR_WEIGHTS_CONCURRENCY"
+CONCURRENCY_ENV = settings.WEIGHTS_CONCURRENCY.name
 
 
 def copy_concurrency() -> int:
     """Files of a set copied at once (by the mirror, and by a node filling its cache)."""
-    return max(1, int(os.environ.get(CONCURRENCY_ENV) or 8))
+    return settings.WEIGHTS_CONCURRENCY.get()
 
 
 def set_dir(key: str) -> str:

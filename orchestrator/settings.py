@@ -1,0 +1,144 @@
+"""Every `ORCHESTRATOR_*` variable in one place: its name, default, parser, and who reads it.
+
+A bad value is one clear error naming the variable (`SettingError`), wherever it is read: in
+the client before anything is submitted, on a node before a job uses it. docs/configuration.md
+lists exactly these names (tests/test_settings.py checks it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from orchestrator.errors import ConfigError
+
+T = TypeVar("T")
+
+CLIENT = "client"  # the machine you push from (and `orchestrator run` on the head)
+HEAD = "head"  # the controller, in `ray start`'s environment on the head node
+NODE = "node"  # every Ray node, in `ray start`'s environment
+
+
+class SettingError(ConfigError):
+    """An ORCHESTRATOR_* variable has a value that cannot mean anything."""
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    name: str
+    default: T
+    parse: Callable[[str], T]  # raises ValueError with a short reason
+    read_by: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name, "").strip()
+        if not raw:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise SettingError(f"{self.name} {e} (got {raw!r})") from None
+
+    @property
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name, "").strip())
+
+
+def positive_float(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError("must be a number above 0")
+    return value
+
+
+def whole_number(raw: str) -> int:
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError("must be a whole number of at least 1")
+    return int(raw)
+
+
+def whole_bytes(raw: str) -> int:
+    if not raw.isdigit():
+        raise ValueError("is not a whole number of bytes, e.g. 10737418240 for 10 GiB")
+    return int(raw)
+
+
+_OFF = ("", "0", "false", "no", "off")
+
+
+def flag(raw: str) -> bool:
+    """On unless empty, 0, false, no or off (any case)."""
+    return raw.strip().lower() not in _OFF
+
+
+def text(raw: str) -> str:
+    return raw
+
+
+def optional_text(raw: str) -> str | None:
+    return raw
+
+
+_ALL: dict[str, Setting] = {}
+
+
+def _setting(name: str, default: T, parse: Callable[[str], T], read_by: str) -> Setting[T]:
+    setting = Setting(f"ORCHESTRATOR_{name}", default, parse, read_by)
+    _ALL[setting.name] = setting
+    return setting
+
+
+def all_settings() -> list[Setting]:
+    return list(_ALL.values())
+
+
+# --- the client ---------------------------------------------------------------------------------
+HOME = _setting("HOME", None, optional_text, CLIENT)  # default: ~/.orchestrator (home.py)
+STORAGE_ROOT = _setting("STORAGE_ROOT", None, optional_text, CLIENT)  # default: $HOME/storage
+SHARED_FILESYSTEM = _setting("SHARED_FILESYSTEM", False, flag, CLIENT)
+SCHEDULING_TIMEOUT_S = _setting("SCHEDULING_TIMEOUT_S", 600.0, positive_float, CLIENT)
+PYTHON = _setting("PYTHON", None, optional_text, CLIENT)
+MAX_ARCHIVE_BYTES = _setting("MAX_ARCHIVE_BYTES", 5 * 1024**3, whole_bytes, CLIENT)
+CONFIG_LOAD_TIMEOUT_S = _setting("CONFIG_LOAD_TIMEOUT_S", 60.0, positive_float, CLIENT)
+MAX_NODE_COUNT = _setting("MAX_NODE_COUNT", 256, whole_number, CLIENT)
+MAX_CPU_COUNT = _setting("MAX_CPU_COUNT", 1024, whole_number, CLIENT)
+MAX_GPUS_PER_NODE = _setting("MAX_GPUS_PER_NODE", 16, whole_number, CLIENT)
+RAY_CLIENT_ADDRESS = _setting("RAY_CLIENT_ADDRESS", None, optional_text, CLIENT)
+TERMINAL_LOST_S = _setting("TERMINAL_LOST_S", 60.0, positive_float, CLIENT)
+# Read at push and stored in the job's record (storage/checkpoints.py, storage/retry.py parse
+# them as a group, each named here).
+CHECKPOINT_CONCURRENCY = _setting("CHECKPOINT_CONCURRENCY", None, optional_text, CLIENT)
+CHECKPOINT_BANDWIDTH_MBPS = _setting("CHECKPOINT_BANDWIDTH_MBPS", None, optional_text, CLIENT)
+CHECKPOINT_SETTLE_S = _setting("CHECKPOINT_SETTLE_S", None, optional_text, CLIENT)
+CHECKPOINT_FORMAT_WAIT_S = _setting("CHECKPOINT_FORMAT_WAIT_S", None, optional_text, CLIENT)
+CHECKPOINT_FLUSH_TIMEOUT_S = _setting("CHECKPOINT_FLUSH_TIMEOUT_S", None, optional_text, CLIENT)
+CHECKPOINT_DELETE_LOCAL = _setting("CHECKPOINT_DELETE_LOCAL", False, flag, CLIENT)
+CHECKPOINT_TEMPORARY_PATTERNS = _setting("CHECKPOINT_TEMPORARY_PATTERNS", "", text, CLIENT)
+STORAGE_OUTAGE_S = _setting("STORAGE_OUTAGE_S", None, optional_text, CLIENT)
+ON_STORAGE_ERROR = _setting("ON_STORAGE_ERROR", None, optional_text, CLIENT)
+
+# --- the head node ------------------------------------------------------------------------------
+USE_IMAGE_URI = _setting("USE_IMAGE_URI", False, flag, HEAD)
+SECRETS_DIR = _setting("SECRETS_DIR", None, optional_text, HEAD)  # default: $HOME/secrets
+
+# --- every node ---------------------------------------------------------------------------------
+NODE_ROOT = _setting("NODE_ROOT", None, optional_text, NODE)  # default: <tmp>/orchestrator
+NODE_CACHE_DIR = _setting("NODE_CACHE_DIR", None, optional_text, NODE)
+NODE_CACHE_GIB = _setting("NODE_CACHE_GIB", None, positive_float, NODE)
+CLUSTER_CACHE_DIR = _setting("CLUSTER_CACHE_DIR", None, optional_text, NODE)
+CLUSTER_CACHE_GIB = _setting("CLUSTER_CACHE_GIB", None, positive_float, NODE)
+WEIGHTS_CONCURRENCY = _setting("WEIGHTS_CONCURRENCY", 8, whole_number, NODE)
+R2_ENDPOINT_URL = _setting(
+    "R2_ENDPOINT_URL", "https://{account_id}.r2.cloudflarestorage.com", text, NODE
+)
+CW_ENDPOINT_URL = _setting("CW_ENDPOINT_URL", "https://cwobject.com", text, NODE)
+SHARED_CACHE_DIR = _setting("SHARED_CACHE_DIR", None, optional_text, NODE)
+TRAINING_CACHE_DIR = _setting("TRAINING_CACHE_DIR", None, optional_text, NODE)
+
+# Not settings: ORCHESTRATOR_SECRET_<NAME> (secret values, storage/secret_store.py) and
+# ORCHESTRATOR_RAY_ADDRESS (what a job's commands are given, agents/node_agent.py).

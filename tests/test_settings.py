@@ -1,0 +1,49 @@
+"""orchestrator's environment variables: one registry, one error for a bad value, documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from orchestrator import settings
+from orchestrator.client.submit import scheduling_timeout
+from orchestrator.errors import ConfigError
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+
+def test_configuration_md_lists_exactly_the_settings():
+    text = DOCS.read_text()
+    section = text[text.index("## Environment variables") : text.index("## Differences from")]
+    # Full names only: "ORCHESTRATOR_CHECKPOINT_*" and the like name a group, not a variable.
+    documented = set(re.findall(r"\bORCHESTRATOR_[A-Z0-9_]*[A-Z0-9]\b(?!_\*)", section))
+    documented -= {"ORCHESTRATOR_RAY_ADDRESS"}  # what a job is given, not a setting
+    assert documented == {s.name for s in settings.all_settings()}
+
+
+def test_every_variable_is_read_through_the_registry():
+    """No module reads an ORCHESTRATOR_* variable of its own: a new one lands in settings.py."""
+    package = Path(settings.__file__).parent
+    direct = [
+        f"{path.relative_to(package)}:{n}"
+        for path in package.rglob("*.py")
+        if path.name != "settings.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        # A full name (a prefix such as ORCHESTRATOR_SECRET_ ends in "_").
+        if re.search(r"=\s*\"ORCHESTRATOR_[A-Z0-9_]*[A-Z0-9]\"$", line)
+    ]
+    assert direct == ["agents/node_agent.py:54"]  # ORCHESTRATOR_RAY_ADDRESS: given to jobs
+
+
+@pytest.mark.parametrize("raw", ["soon", "0", "-5"])
+def test_a_bad_value_is_one_error_naming_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("ORCHESTRATOR_SCHEDULING_TIMEOUT_S", raw)
+    with pytest.raises(ConfigError) as info:
+        scheduling_timeout()
+    assert str(info.value) == (
+        f"ORCHESTRATOR_SCHEDULING_TIMEOUT_S must be a number above 0 (got {raw!r})"
+    )
+    monkeypatch.setenv("ORCHESTRATOR_SCHEDULING_TIMEOUT_S", " 30 ")
+    assert scheduling_timeout() == 30.0
