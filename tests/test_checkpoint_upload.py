@@ -53,11 +53,11 @@ def uploader(root: StorageRoot, local: Path, rank: int = 0, earlier=None, **sett
 
 
 def states(result: dict) -> dict[str, str]:
-    return {e.name: e.state for e in result["entries"]}
+    return {e.name: e.state for e in result.entries}
 
 
 def reasons(result: dict) -> dict[str, str | None]:
-    return {e.name: e.reason for e in result["entries"]}
+    return {e.name: e.reason for e in result.entries}
 
 
 def names(root: StorageRoot) -> list[str]:
@@ -109,7 +109,7 @@ def test_uploader_uploads_settled_checkpoints_while_the_job_runs(root: StorageRo
     result = up.flush(timeout=60, clean=True)
     assert states(result) == {"checkpoint-1": "uploaded", "checkpoint-2": "uploaded"}
     assert names(root) == ["checkpoint-1", "checkpoint-2"]
-    assert any("checkpoint checkpoint-1 uploaded" in e and "1 files" in e for e in result["events"])
+    assert any("checkpoint checkpoint-1 uploaded" in e and "1 files" in e for e in result.events)
 
 
 def test_flush_uploads_what_had_not_settled_once_its_writer_exited_cleanly(tmp_path):
@@ -157,7 +157,7 @@ def test_a_settle_judged_after_the_writer_died_is_taken_back(tmp_path):
     wait_until(lambda: not CheckpointStore(root).list("p", "j")[0].complete, "the take-back")
     result = up.flush(timeout=30, clean=False)
     assert states(result) == {"checkpoint-3": "incomplete"}
-    assert any("checkpoint-3 marked INCOMPLETE" in e for e in result["events"])
+    assert any("checkpoint-3 marked INCOMPLETE" in e for e in result.events)
 
 
 def test_delete_local_after_upload(tmp_path):
@@ -179,12 +179,12 @@ def test_volume_size_warns_then_reports_over(tmp_path):
     with open(local / "big.bin", "wb") as f:
         f.truncate(int(0.95 * gib))
     up = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 3600}, 1, {})
-    wait_until(lambda: any("warning" in e for e in up.poll(0)["events"]), "the warning")
-    assert up.poll(0)["over_volume"] is None
+    wait_until(lambda: any("warning" in e for e in up.poll(0).events), "the warning")
+    assert up.poll(0).over_volume is None
     with open(local / "big2.bin", "wb") as f:
         f.truncate(int(0.1 * gib))
-    wait_until(lambda: up.poll(0)["over_volume"], "the over-volume error")
-    assert "over volume_size_gib=1" in up.poll(0)["over_volume"]
+    wait_until(lambda: up.poll(0).over_volume, "the over-volume error")
+    assert "over volume_size_gib=1" in up.poll(0).over_volume
     up._stop.set()
 
 
@@ -247,7 +247,7 @@ def test_a_restarted_uploader_skips_what_is_stored_and_redoes_what_changed(tmp_p
     restarted = uploader(root, local, settle_s=0)
     result = restarted.flush(timeout=30, clean=True)
     assert states(result) == {"checkpoint-1": "uploaded", "checkpoint-2": "uploaded"}
-    uploads = [e for e in result["events"] if " uploaded" in e]
+    uploads = [e for e in result.events if " uploaded" in e]
     assert len(uploads) == 1 and "checkpoint-2 uploaded again" in uploads[0]
     by_name = {m.name: m for m in CheckpointStore(root).list("p", "j")}
     assert (by_name["checkpoint-1"].version, by_name["checkpoint-2"].version) == (1, 2)
@@ -269,9 +269,9 @@ def test_an_earlier_jobs_leftovers_are_not_uploaded_as_this_jobs(tmp_path):
         "checkpoint-50": "earlier_job",
         "checkpoint-60": "uploaded",
     }
-    said = [e for e in result["events"] if "skipping checkpoint-50" in e]
+    said = [e for e in result.events if "skipping checkpoint-50" in e]
     assert len(said) == 1 and "an earlier job's" in said[0]
-    assert any("checkpoint-60 was changed by this job" in e for e in result["events"])
+    assert any("checkpoint-60 was changed by this job" in e for e in result.events)
     assert names(root) == ["checkpoint-1", "checkpoint-60"]
 
 
@@ -342,7 +342,7 @@ def test_a_checkpoint_deleted_during_its_upload_is_abandoned_cleanly(root, tmp_p
     result = up.flush(timeout=60, clean=True)
     assert states(result) == {"checkpoint-1": "deleted", "checkpoint-2": "uploaded"}
     assert "during its upload" in reasons(result)["checkpoint-1"]
-    assert any("upload abandoned, nothing partial kept" in e for e in result["events"])
+    assert any("upload abandoned, nothing partial kept" in e for e in result.events)
     assert names(root) == ["checkpoint-2"]
     assert root.list_names("checkpoints/p/j/rank-0/checkpoint-1") == []
 
@@ -372,9 +372,9 @@ def test_top_level_links_and_files_are_not_checkpoints(root, tmp_path):
         "checkpoint-1": "uploaded", "latest": "ignored", "model.pt": "ignored",
     }  # fmt: skip
     assert names(root) == ["checkpoint-1"]
-    said = [e for e in result["events"] if "ignoring latest" in e]
+    said = [e for e in result.events if "ignoring latest" in e]
     assert len(said) == 1 and "symbolic link" in said[0]
-    assert any("ignoring model.pt: a file at the top" in e for e in result["events"])
+    assert any("ignoring model.pt: a file at the top" in e for e in result.events)
     assert not any(b"PRIVATE KEY" in root.fs.cat_file(p) for p in root.fs.find(root.path("")))
 
 

@@ -22,6 +22,7 @@ from orchestrator.agents.checkpoint_rules import (
     top_level,
     unfinished,
 )
+from orchestrator.agents.messages import UploaderFlush, UploaderPoll
 from orchestrator.agents.node_root import RankDirs
 from orchestrator.agents.rename_watch import RenameWatch
 from orchestrator.storage.checkpoints import (
@@ -122,12 +123,11 @@ class CheckpointUploader:
         starts the commands only then."""
         return self._started.wait(timeout)
 
-    def poll(self, since: int) -> dict[str, Any]:
+    def poll(self, since: int) -> UploaderPoll:
         """Events after index `since`, and whether the directory is over its volume size."""
         if since > len(self.events):  # a restarted uploader starts a new list
             since = 0
-        return {"events": self.events[since:], "next": len(self.events),
-                "over_volume": self.over_volume}  # fmt: skip
+        return UploaderPoll(self.events[since:], len(self.events), self.over_volume)
 
     def writer_ended(self, clean: bool, how: str, at: float | None = None) -> None:
         """The rank's commands ended (`clean`: the last one exited 0): from now on a checkpoint
@@ -137,7 +137,7 @@ class CheckpointUploader:
 
     def flush(
         self, timeout: float | None = None, clean: bool = False, how: str = "the job ended"
-    ) -> dict[str, Any]:
+    ) -> UploaderFlush:
         """Upload everything still local (the commands have ended) within `timeout` seconds;
         what became of every name found, and the events."""
         self.writer_ended(clean, how)
@@ -149,7 +149,7 @@ class CheckpointUploader:
             self._scan(final=True, deadline=deadline)
         if self._renames is not None:
             self._renames.close()
-        return {"entries": self._entries(), "events": self.events}
+        return UploaderFlush(self._entries(), self.events)
 
     # --- the watch loop ----------------------------------------------------------------------
 

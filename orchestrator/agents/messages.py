@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.storage.records import NodeInfo
+from orchestrator.storage.records import CheckpointEntry, NodeInfo
 
 
 @dataclass(frozen=True)
@@ -104,3 +104,20 @@ class CommandsEnded:
     last_lines: list[str] = field(default_factory=list)
     stopped: bool = False  # the rank was asked to stop
     ended_at: float | None = None
+
+
+@dataclass(frozen=True)
+class UploaderPoll:
+    """A rank's checkpoint uploader while the job runs: its events since the cursor."""
+
+    events: list[str]
+    next: int  # the cursor for the next poll
+    over_volume: str | None = None  # the checkpoint directory is over volume_size_gib: why
+
+
+@dataclass(frozen=True)
+class UploaderFlush:
+    """What became of every name the uploader found, once the commands ended."""
+
+    entries: list[CheckpointEntry]
+    events: list[str]

@@ -175,9 +175,9 @@ class Uploaders:
                 state = ray.get(actor.poll.remote(self._cursors[i]), timeout=2)
             except Exception:
                 continue  # restarting; the final flush reports it
-            lines += state["events"]
-            self._cursors[i] = state["next"]
-            over = over or state["over_volume"]
+            lines += state.events
+            self._cursors[i] = state.next
+            over = over or state.over_volume
         return lines, over
 
     def writer_ended(self, ending: RankEnding) -> None:
@@ -202,8 +202,8 @@ class Uploaders:
             except Exception as e:
                 unreachable[f"rank-{rank}"] = f"uploader unreachable: {type(e).__name__}"
                 continue
-            lines += result["events"][cursor:]
-            entries += result["entries"]
+            lines += result.events[cursor:]
+            entries += result.entries
         return lines, CheckpointSummary.of(entries, unreachable)
 
 
