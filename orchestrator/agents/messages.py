@@ -121,3 +121,30 @@ class UploaderFlush:
 
     entries: list[CheckpointEntry]
     events: list[str]
+
+
+@dataclass(frozen=True)
+class MirrorProgress:
+    """The weight mirror's copy of one source, so far."""
+
+    files_total: int
+    bytes_total: int
+    files_done: int
+    bytes_done: int
+
+
+@dataclass(frozen=True)
+class MirrorDone:
+    """The source is in the mirror: its set's manifest (a `WeightSet` dump) and how it got
+    there: "hit" (already mirrored), "miss" (this request copied it), "shared" (another job's
+    copy in flight was awaited)."""
+
+    weight_set: dict[str, Any]
+    mirror: str
+
+
+@dataclass(frozen=True)
+class MirrorFailed:
+    """The source cannot be read (secrets masked in `error`)."""
+
+    error: str

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.agents.messages import MirrorDone, MirrorFailed, MirrorProgress
 from orchestrator.agents.secrets import (
     SecretMasker,
     SecretNotFound,
@@ -79,17 +80,14 @@ class WeightMirror:
 
     def mirror(
         self, storage_root: str, source: dict[str, Any], team: str | None = None
-    ) -> Iterator[dict[str, Any]]:
-        """Yields {"progress": {...}} while copying and finally {"set": ..., "mirror": how}.
-
-        `how` is "hit" (already mirrored), "miss" (this call copied it) or "shared" (another
-        job's copy in flight was awaited). A source that cannot be read yields {"error": why}.
-        """
+    ) -> Iterator[MirrorProgress | MirrorDone | MirrorFailed]:
+        """Yields MirrorProgress while copying and finally MirrorDone, or MirrorFailed when the
+        source cannot be read."""
         spec = WeightsSource.model_validate(source)
         try:
             secret = resolve_secret(spec.secret_name, team) if spec.secret_name else None
         except (SecretNotFound, SecretStoreError) as e:
-            yield {"error": str(e)}
+            yield MirrorFailed(str(e))
             return
         mask = _masker(secret)
         try:
@@ -98,7 +96,7 @@ class WeightMirror:
             key = set_key(src.identity, revision, spec.allow_patterns, spec.ignore_patterns)
             store = MirrorStore(StorageRoot(storage_root))
             if (existing := store.manifest(key)) is not None:
-                yield {"set": existing.model_dump(mode="json"), "mirror": "hit"}
+                yield MirrorDone(existing.model_dump(mode="json"), "hit")
                 return
             flight_id = f"{storage_root}|{key}"
             with self._lock:
@@ -114,19 +112,19 @@ class WeightMirror:
                 )
                 worker.start()
             while not flight.done.wait(PROGRESS_EVERY_S):
-                yield {"progress": flight.progress.as_dict()}
+                yield MirrorProgress(**flight.progress.as_dict())
         except SourceError as e:
-            yield {"error": mask(str(e))}
+            yield MirrorFailed(mask(str(e)))
             return
         except Exception as e:  # the storage root, a client library: say why, never a secret
-            yield {"error": mask(f"{spec.source}: {type(e).__name__}: {first_line(e)}")}
+            yield MirrorFailed(mask(f"{spec.source}: {type(e).__name__}: {first_line(e)}"))
             return
         if flight.error is not None:
-            yield {"error": flight.error}
+            yield MirrorFailed(flight.error)
         else:
             assert flight.result is not None
             how = "hit" if flight.found else "miss" if leader else "shared"
-            yield {"set": flight.result.model_dump(mode="json"), "mirror": how}
+            yield MirrorDone(flight.result.model_dump(mode="json"), how)
 
     def _copy(
         self,

@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from orchestrator.agents.messages import PreparedNode
+from orchestrator.agents.messages import MirrorFailed, MirrorProgress, PreparedNode
 from orchestrator.agents.services import shared_actor
 from orchestrator.sizes import human_bytes
 from orchestrator.spec.weights import WeightsSource
@@ -122,18 +122,18 @@ def _follow(stream: Any, request: _Request) -> None:
     try:
         for ref in stream:
             event = ray.get(ref)
-            if "progress" in event:
-                request.status = request.status.model_copy(update=event["progress"])
-            elif "error" in event:
-                request.error = event["error"]
+            if isinstance(event, MirrorProgress):
+                request.status = request.status.model_copy(update=event.__dict__)
+            elif isinstance(event, MirrorFailed):
+                request.error = event.error
             else:
-                ws = event["set"]
+                ws = event.weight_set
                 total = sum(f["size"] for f in ws["files"])
                 request.weight_set = ws
                 request.status = request.status.model_copy(
                     update={
                         "revision": ws["revision"],
-                        "mirror": event["mirror"],
+                        "mirror": event.mirror,
                         "files_total": len(ws["files"]),
                         "bytes_total": total,
                         "files_done": len(ws["files"]),
