@@ -13,7 +13,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _CLIENT_API = ("push", "dry_run", "get_job", "list_jobs", "list_projects")
-_ERRORS = ("ConfigError", "OrchestratorError", "UnsupportedFeatureError", "WorkspaceError")
+_ERRORS = (
+    "ConfigError", "OrchestratorError", "PushWhileLoading", "SettingError",
+    "UnsupportedFeatureError", "WorkspaceError",
+)  # fmt: skip
 # For training scripts on the nodes: light, no Ray, no spec.
 _NODE_HELPERS = ("mark_checkpoint_complete",)
 

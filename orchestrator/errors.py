@@ -19,6 +19,14 @@ class ConfigError(OrchestratorError):
         super().__init__("\n".join(lines))
 
 
+class SettingError(ConfigError):
+    """An ORCHESTRATOR_* variable has a value that cannot mean anything (settings.py)."""
+
+
+class PushWhileLoading(ConfigError):
+    """A config called `truss_train.push` while it was being loaded: loading never submits."""
+
+
 class WorkspaceError(ConfigError):
     """The job's code directory cannot be packaged (missing directory, too large, ...)."""
 

@@ -12,17 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import SettingError
 
 T = TypeVar("T")
 
 CLIENT = "client"  # the machine you push from (and `orchestrator run` on the head)
 HEAD = "head"  # the controller, in `ray start`'s environment on the head node
 NODE = "node"  # every Ray node, in `ray start`'s environment
-
-
-class SettingError(ConfigError):
-    """An ORCHESTRATOR_* variable has a value that cannot mean anything."""
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,9 @@ from orchestrator.cli.jobs_common import pick_job
 from orchestrator.cli.options import JobId, SortOrder, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json, when
 from orchestrator.client.api import latest_job, list_jobs
-from orchestrator.client.connection import storage
 from orchestrator.client.jobs import JobHandle
 from orchestrator.errors import OrchestratorError
-from orchestrator.storage.checkpoints import CheckpointStore, Manifest
+from orchestrator.storage.checkpoints import Manifest
 
 checkpoints_app = typer.Typer(
     help="List and download the checkpoints jobs uploaded.", no_args_is_help=True
@@ -138,7 +137,6 @@ def download(
             f"{dest} already exists and is not empty: remove it or pick another --target-directory"
         )
     created = _first_missing(dest)
-    store = CheckpointStore(storage(storage_root))
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
                TransferSpeedColumn(), TimeRemainingColumn())  # fmt: skip
     try:
@@ -146,7 +144,7 @@ def download(
             task = progress.add_task(
                 f"{manifest.name} (rank {manifest.node_rank})", total=manifest.size_bytes
             )
-            store.download(manifest, dest, progress=lambda n: progress.advance(task, n))
+            job.download_checkpoint(manifest, dest, progress=lambda n: progress.advance(task, n))
     except (OSError, KeyboardInterrupt) as e:
         shutil.rmtree(created or dest, ignore_errors=True)
         if created is None:

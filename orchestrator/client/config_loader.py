@@ -17,12 +17,11 @@ from pydantic import BaseModel, ValidationError
 
 from orchestrator import definitions, settings
 from orchestrator.client.truss_compat import (
-    PushWhileLoading,
     baseten_imports,
     from_truss_project,
     is_truss_project,
 )
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, PushWhileLoading
 from orchestrator.spec.training import TrainingProject
 from orchestrator.spec.validation import describe_validation_error
 

@@ -8,7 +8,7 @@ import tarfile
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,14 @@ class JobHandle:
         """Time-limited URLs for one checkpoint's files (storage roots on S3 or GCS)."""
         manifest = self.checkpoint(name, rank)
         return CheckpointStore(self._store.root).signed_urls(manifest, expires_s)
+
+    def download_checkpoint(
+        self, manifest: Manifest, dest: Path, progress: Callable[[int], None] | None = None
+    ) -> Path:
+        """One checkpoint's files into `dest`, each checked against its manifest; `progress`
+        gets the bytes as they arrive."""
+        CheckpointStore(self._store.root).download(manifest, dest, progress=progress)
+        return dest
 
     def download_code(self, target: Path) -> Path:
         """The job's code archive, as pushed, unpacked into `target` (new or empty)."""

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator import definitions
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, PushWhileLoading
 from orchestrator.spec.training import TrainingProject
 from orchestrator.spec.validation import describe_validation_error
 
@@ -28,10 +28,6 @@ _TRUSS_CONFIG_NAMES = (
     "WeightsAuth",
     "WeightsAuthMethod",
 )
-
-
-class PushWhileLoading(ConfigError):
-    """A config called `truss_train.push` while it was being loaded."""
 
 
 def _refuse_push(*args: Any, **kwargs: Any) -> Any:
