@@ -56,6 +56,18 @@ echo "nvidia-smi saw on the GPU while the job ran:"; sort -u "$out/nvidia-smi-ap
 grep -o "CUDA_VISIBLE_DEVICES=[^ ]*\|gpu=.*\|backend=[a-z]*" "$out/ddp-gpu.log" | sort | uniq -c
 orch checkpoints list --project ddp-gpu 2>&1 | tail -n 8
 
+step "2b. a command inside a held GPU job (orchestrator shell -- CMD)"
+held=$(orch push "$job/config.py" --interactive on_startup --interactive-timeout-minutes 2 -o json \
+  | python3 -c 'import json, sys; print(json.load(sys.stdin)["training_job"]["id"])')
+for _ in $(seq 120); do
+  orch logs --job-id "$held" 2>/dev/null | grep -q "final test accuracy" && break
+  sleep 1
+done
+orch shell --job-id "$held" -- 'nvidia-smi -L; echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES; ls $BT_CHECKPOINT_DIR | tr "\n" " "'
+echo "exit $?"
+orch view --job-id "$held" 2>&1 | grep -i "held\|status" | head -n 3
+orch stop --job-id "$held" 2>&1 | tail -n 1
+
 step "3. more GPUs than the machine has (H100:2), and another type (A100:1)"
 for acc in H100:2 A100:1; do
   orch push "$job/config.py" --accelerator "$acc" --tail 2>&1 | grep -v "^\s*$" | tail -n 4
