@@ -22,6 +22,7 @@ project = d.TrainingProject(
     job=d.TrainingJob(
         image=d.Image(base_image="python:3.11"),
         name="sleepy",
+        priority=1,  # recorded only: push warns, and -o json must stay JSON
         compute=d.Compute(memory="256Mi"),
         runtime=d.Runtime(start_commands=["python -u sleepy.py"]),
     ),
@@ -42,7 +43,9 @@ def test_push_view_logs_and_stop_the_most_recent_job(tmp_path, storage_root):
     )
     pushed = cli("push", str(config), "--storage-root", storage_root, "-o", "json")
     assert pushed.returncode == 0, pushed.stderr
-    job_id = json.loads(pushed.stdout)["training_job"]["id"]
+    announced = json.loads(pushed.stdout)
+    job_id = announced["training_job"]["id"]
+    assert any(w.startswith("priority is recorded only") for w in announced["warnings"])
     job = get_job(job_id, storage_root=storage_root)
 
     deadline = time.monotonic() + 60

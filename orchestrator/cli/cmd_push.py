@@ -64,7 +64,6 @@ def push(
         config, address=address, storage_root=storage_root, overrides=overrides,
         colocate_ranks=colocate_ranks,
     )  # fmt: skip
-    print_warnings(list(job.record.notices))
     announce(job, f"pushed job [bold]{job.id}[/bold]", output)
     if tail and (code := follow(job)):
         raise typer.Exit(code)

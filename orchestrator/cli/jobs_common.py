@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.markup import escape
 
-from orchestrator.cli.render import OutputFormat, console, print_json
+from orchestrator.cli.render import OutputFormat, console, print_json, print_warnings
 from orchestrator.client.api import get_job, latest_job
 from orchestrator.client.jobs import JobHandle
 from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, JobState
@@ -26,12 +26,16 @@ def pick_job(job_id: str | None, project: str | None, storage_root: str | None) 
 
 
 def announce(job: JobHandle, what: str, output: OutputFormat) -> None:
-    """A submitted job: its Baseten-shaped ids (JSON), or where to follow it."""
+    """A submitted job: its Baseten-shaped ids and push's warnings (JSON), or the warnings and
+    where to follow it."""
+    warnings = list(job.record.notices)
     if output is OutputFormat.json:
-        print_json(
-            {"training_project": job["training_project"], "training_job": job["training_job"]}
-        )
+        print_json({
+            "training_project": job["training_project"], "training_job": job["training_job"],
+            "warnings": warnings,
+        })  # fmt: skip
         return
+    print_warnings(warnings)
     console.print(
         f"{what} of project {escape(job.project)} to {job.record.ray_address}\n"
         f"  logs:  orchestrator logs --job-id {job.id} --tail\n"
