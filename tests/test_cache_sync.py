@@ -96,10 +96,10 @@ def test_on_a_shared_filesystem_every_node_works_on_one_copy(tmp_path, monkeypat
     node_a, node_b = CacheSeeder(), CacheSeeder()  # two nodes' seeders, one filesystem
     seeded_a = node_a.seed(storage, "t", "proj")
     seeded_b = node_b.seed(storage, "t", "proj")
-    assert seeded_a["shared"] and seeded_a["project"]["path"] == seeded_b["project"]["path"]
-    Path(seeded_a["project"]["path"], "from-a.txt").write_text("a")
-    assert os.listdir(seeded_b["project"]["path"]) == ["from-a.txt"]
-    assert node_a.write_back(storage, "t", "proj")["project"]["files"] == 1
+    assert seeded_a.shared and seeded_a.project.path == seeded_b.project.path
+    Path(seeded_a.project.path, "from-a.txt").write_text("a")
+    assert os.listdir(seeded_b.project.path) == ["from-a.txt"]
+    assert node_a.write_back(storage, "t", "proj").project.files == 1
     assert not StorageRoot(storage).exists("caches/t/projects/proj/nodes"), "no node preferred"
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import settings
+from orchestrator.agents.messages import CacheCopy, CacheSeeded, CacheWrittenBack
 from orchestrator.agents.services import shared_actor, this_node_id
 from orchestrator.home import orchestrator_home
 from orchestrator.storage.root import StorageRoot
@@ -43,34 +44,32 @@ class CacheSeeder:
         self.base = copies_dir()
         self.shared = bool(settings.SHARED_CACHE_DIR.get())
 
-    def seed(self, storage_root: str, team: str | None, project: str) -> dict[str, Any]:
+    def seed(self, storage_root: str, team: str | None, project: str) -> CacheSeeded:
         """Update this node's copies; their directories and what it took."""
         started = time.monotonic()
         root = StorageRoot(storage_root)
-        out: dict[str, Any] = {"shared": self.shared}
-        for scope, proj in (("project", project), ("team", None)):
+        copies = []
+        for proj in (project, None):  # the project's cache, then the team's
             copy_dir = self._copy_dir(team, proj)
             with _locked(copy_dir):
                 copy = LocalCopy(copy_dir)
                 had_copy = bool(copy.synced())
                 report = CacheStore(root, team, proj).seed(copy)
-            out[scope] = {"path": str(copy.data), "had_copy": had_copy, **report.as_dict()}
+            copies.append(CacheCopy(str(copy.data), had_copy, report))
         self._mark_holder(root, team, project)
-        out["seconds"] = round(time.monotonic() - started, 3)
-        return out
+        seconds = round(time.monotonic() - started, 3)
+        return CacheSeeded(self.shared, copies[0], copies[1], seconds)
 
-    def write_back(self, storage_root: str, team: str | None, project: str) -> dict[str, Any]:
+    def write_back(self, storage_root: str, team: str | None, project: str) -> CacheWrittenBack:
         started = time.monotonic()
         root = StorageRoot(storage_root)
-        out: dict[str, Any] = {}
-        for scope, proj in (("project", project), ("team", None)):
+        reports = []
+        for proj in (project, None):
             copy_dir = self._copy_dir(team, proj)
             with _locked(copy_dir):
-                report = CacheStore(root, team, proj).write_back(LocalCopy(copy_dir))
-            out[scope] = report.as_dict()
+                reports.append(CacheStore(root, team, proj).write_back(LocalCopy(copy_dir)))
         self._mark_holder(root, team, project)
-        out["seconds"] = round(time.monotonic() - started, 3)
-        return out
+        return CacheWrittenBack(reports[0], reports[1], round(time.monotonic() - started, 3))
 
     def _copy_dir(self, team: str | None, project: str | None) -> Path:
         team_dir = self.base / (team or NO_TEAM)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.storage.records import CheckpointEntry, NodeInfo
+from orchestrator.storage.training_cache import SyncReport
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,35 @@ class Delivery:
 
 
 @dataclass(frozen=True)
+class CacheCopy:
+    """One training cache (the project's or the team's) on a node, once seeded."""
+
+    path: str
+    had_copy: bool  # the node held a copy before (only what changed was fetched)
+    fetched: SyncReport
+
+
+@dataclass(frozen=True)
+class CacheSeeded:
+    """A node's cache seeder's answer; the agent adds the variables the job sees."""
+
+    shared: bool  # the copies live on a filesystem every node mounts
+    project: CacheCopy
+    team: CacheCopy
+    seconds: float
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CacheWrittenBack:
+    """What rank 0's node sent back to the storage root at the end of a job."""
+
+    project: SyncReport
+    team: SyncReport
+    seconds: float
+
+
+@dataclass(frozen=True)
 class PreparedNode:
     """A prepared rank: where it runs, and what its weights and cache cost."""
 
@@ -67,7 +97,7 @@ class PreparedNode:
     hostname: str
     working_dir: str
     weights: tuple[Delivery, ...] = ()
-    cache: dict[str, Any] | None = None  # the node's cache seeder's answer, plus `env`
+    cache: CacheSeeded | None = None
 
     def node_info(self) -> NodeInfo:
         return NodeInfo(

@@ -7,6 +7,7 @@ CUDA_VISIBLE_DEVICES is set for the bundle's GPUs and the commands inherit it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import queue
@@ -27,6 +28,7 @@ import ray
 
 from orchestrator.agents.messages import (
     CacheRequest,
+    CacheSeeded,
     CommandsEnded,
     Delivery,
     OutputLines,
@@ -167,7 +169,7 @@ class NodeAgent:
         weights = tuple(self._place_weights(w) for w in request.weights)
         return PreparedNode(**info, weights=weights, cache=cache)
 
-    def _prepare_cache(self, request: CacheRequest) -> dict[str, Any]:
+    def _prepare_cache(self, request: CacheRequest) -> CacheSeeded:
         """Seed this node's copies of the caches, then link them where the job looks."""
         import ray
 
@@ -180,14 +182,14 @@ class NodeAgent:
         base = Path(request.mount_base_path) if explicit_base else self.dirs.cache
         self._cache_mounts = mount_caches(
             base,
-            seeded["project"]["path"],
-            seeded["team"]["path"],
+            seeded.project.path,
+            seeded.team.path,
             request.legacy_hf,
             explicit_base,
             (self.actor_name, self.job_id),
             actor_alive,
         )
-        return {**seeded, "env": self._cache_mounts.env}
+        return dataclasses.replace(seeded, env=self._cache_mounts.env)
 
     def _place_weights(self, placement: WeightPlacement) -> Delivery:
         """Get the set from this node's cache and show it at `mount_location` (a link, no copy)."""

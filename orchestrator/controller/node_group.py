@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import settings
 from orchestrator.agents.messages import (
+    CacheWrittenBack,
     CommandsEnded,
     OutputLines,
     PreparedNode,
@@ -118,7 +119,9 @@ class NodeGroup(Protocol):
     def stop(self, grace_s: float) -> str | None:
         """Stop the commands (SIGTERM, SIGKILL after `grace_s`); an error to say, if any."""
 
-    def write_back_cache(self, leader_node_id: str, wait_s: float | None) -> dict[str, Any] | None:
+    def write_back_cache(
+        self, leader_node_id: str, wait_s: float | None
+    ) -> CacheWrittenBack | None:
         """Rank 0's training cache changes back to the storage root; its counts, or None when
         not waited for."""
 
@@ -289,7 +292,9 @@ class RayNodeGroup:
             return short_error(e)
         return None
 
-    def write_back_cache(self, leader_node_id: str, wait_s: float | None) -> dict[str, Any] | None:
+    def write_back_cache(
+        self, leader_node_id: str, wait_s: float | None
+    ) -> CacheWrittenBack | None:
         from orchestrator.agents.cache_seeder import cache_seeder_name  # jobs with a cache only
 
         seeder = ray.get_actor(cache_seeder_name(leader_node_id), namespace=NAMESPACE)

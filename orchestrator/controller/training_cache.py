@@ -7,11 +7,9 @@ turns the agents' answers into the status and the log.
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray
 
-from orchestrator.agents.messages import CacheRequest, PreparedNode
+from orchestrator.agents.messages import CacheRequest, CacheWrittenBack, PreparedNode
 from orchestrator.sizes import human_bytes
 from orchestrator.spec.training import DEFAULT_MOUNT_BASE_PATH
 from orchestrator.storage.records import CacheNode, CacheStatus, JobRecord
@@ -71,17 +69,17 @@ def seeding_status(prepared: list[PreparedNode], affinity: str | None) -> CacheS
     for info in prepared:
         seeded = info.cache
         assert seeded is not None
-        shared = shared or seeded["shared"]
-        parts = (seeded["project"], seeded["team"])
+        shared = shared or seeded.shared
+        parts = (seeded.project.fetched, seeded.team.fetched)
         nodes.append(
             CacheNode(
                 rank=info.rank,
                 node_id=info.node_id,
-                had_copy=seeded["project"]["had_copy"],
-                files_seeded=sum(p["files"] for p in parts),
-                bytes_seeded=sum(p["bytes"] for p in parts),
-                files_deleted=sum(p["deleted"] for p in parts),
-                seconds=seeded["seconds"],
+                had_copy=seeded.project.had_copy,
+                files_seeded=sum(p.files for p in parts),
+                bytes_seeded=sum(p.bytes for p in parts),
+                files_deleted=sum(p.deleted for p in parts),
+                seconds=seeded.seconds,
             )
         )
     return CacheStatus(shared=shared, affinity=affinity, nodes=nodes)
@@ -98,11 +96,11 @@ def seeding_lines(status: CacheStatus) -> list[str]:
     return lines
 
 
-def write_back_line(result: dict[str, Any]) -> tuple[dict[str, int], str]:
-    parts = (result["project"], result["team"])
+def write_back_line(result: CacheWrittenBack) -> tuple[dict[str, int], str]:
+    parts = (result.project.as_dict(), result.team.as_dict())
     total = {k: sum(p[k] for p in parts) for k in ("files", "bytes", "deleted")}
     line = (
-        f"training cache written back by rank 0 in {result['seconds']:.2f} s: "
+        f"training cache written back by rank 0 in {result.seconds:.2f} s: "
         f"{total['files']} file(s), {human_bytes(total['bytes'])} sent, {total['deleted']} removed"
     )
     return total, line
