@@ -73,6 +73,13 @@ def attach(job, storage_root: str, **env: str) -> pexpect.spawn:
     return terminal
 
 
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_an_interactive_shell_is_a_real_terminal_in_the_job(running_job):
     job, storage_root = running_job
     terminal = attach(job, storage_root)
@@ -99,10 +106,15 @@ def test_an_interactive_shell_is_a_real_terminal_in_the_job(running_job):
     terminal.sendline("echo rc=$?")
     terminal.expect_exact("rc=130")
 
+    # A background job left behind does not keep the session open, nor outlive it.
+    terminal.sendline("sleep 1000 & echo bg=$!")
+    terminal.expect(r"bg=(\d+)")
+    background = int(terminal.match.group(1))
     terminal.sendline("exit 7")
     terminal.expect(pexpect.EOF)
     terminal.close()
     assert terminal.exitstatus == 7
+    eventually(lambda: gone(background), "the shell's background job to end", 30)
     output = terminal.logfile_read.getvalue().decode(errors="replace")
     assert "\nnot-interrupted" not in output  # (the echoed command line has it)
     assert NODE_SECRET_VALUE not in output
@@ -117,12 +129,6 @@ def test_a_shell_whose_client_is_gone_ends_with_everything_it_started(running_jo
     assert all(psutil.pid_exists(pid) for pid in pids)
     terminal.kill(signal.SIGKILL)  # the laptop vanishes without a word
     terminal.close()
-
-    def gone(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
 
     eventually(lambda: all(gone(pid) for pid in pids), "the abandoned shell to end", 30)
     assert not job.status().is_terminal  # the job itself runs on

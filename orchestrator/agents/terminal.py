@@ -97,10 +97,13 @@ class Terminal:
                 chunks.append(data)
                 size += len(data)
                 ready, _, _ = select.select([self.fd], [], [], 0)
+            # The shell exited but a background job still holds the PTY: no EIO will come.
+            ended = ended or (not chunks and self.process.poll() is not None)
             out = self._mask.feed(b"".join(chunks), final=ended)
             if not ended:
                 return out, None
             code = self.process.wait()
+            self._hang_up()  # what the shell left running goes with it, as over SSH
             self._release()
             return out, (code if code >= 0 else 128 - code)
 
@@ -124,17 +127,20 @@ class Terminal:
         with self._read_lock:
             if self._closed:
                 return
-            members = _session_members(self.process.pid)
-            for process in members:
-                with contextlib.suppress(psutil.Error):
-                    process.send_signal(signal.SIGHUP)
-            _, alive = psutil.wait_procs(members, timeout=HANGUP_GRACE_S)
-            for process in alive:
-                with contextlib.suppress(psutil.Error):
-                    process.kill()
-            psutil.wait_procs(alive, timeout=HANGUP_GRACE_S)
+            self._hang_up()
             self.process.wait()
             self._release()
+
+    def _hang_up(self) -> None:
+        members = _session_members(self.process.pid)
+        for process in members:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signal.SIGHUP)
+        _, alive = psutil.wait_procs(members, timeout=HANGUP_GRACE_S)
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(alive, timeout=HANGUP_GRACE_S)
 
     def _release(self) -> None:
         self._closed = True

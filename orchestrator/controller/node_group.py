@@ -9,6 +9,7 @@ follows the commands, stops and releases. Tests give the controller a fake node 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -264,7 +265,7 @@ class RayNodeGroup:
     def start(self, requests: list[StartRequest], on_lines: Callable[[list[str]], None]) -> None:
         self.runs = [RankRun(rank) for rank in range(len(self.agents))]
         for agent, request, run in zip(self.agents, requests, self.runs, strict=True):
-            request = StartRequest(**{**request.__dict__, "rendezvous": self.rendezvous})
+            request = dataclasses.replace(request, rendezvous=self.rendezvous)
             stream = agent.run_commands.options(num_returns="streaming").remote(request)
             threading.Thread(target=self._follow, args=(stream, run, on_lines), daemon=True).start()
 

@@ -7,6 +7,7 @@ reason the job could not deploy.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -123,7 +124,7 @@ def _follow(stream: Any, request: _Request) -> None:
         for ref in stream:
             event = ray.get(ref)
             if isinstance(event, MirrorProgress):
-                request.status = request.status.model_copy(update=event.__dict__)
+                request.status = request.status.model_copy(update=dataclasses.asdict(event))
             elif isinstance(event, MirrorFailed):
                 request.error = event.error
             else:
