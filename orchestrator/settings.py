@@ -37,10 +37,6 @@ class Setting(Generic[T]):
         except ValueError as e:
             raise SettingError(f"{self.name} {e} (got {raw!r})") from None
 
-    @property
-    def is_set(self) -> bool:
-        return bool(os.environ.get(self.name, "").strip())
-
 
 def positive_float(raw: str) -> float:
     try:
@@ -76,10 +72,6 @@ def text(raw: str) -> str:
     return raw
 
 
-def optional_text(raw: str) -> str | None:
-    return raw
-
-
 _ALL: dict[str, Setting] = {}
 
 
@@ -94,47 +86,47 @@ def all_settings() -> list[Setting]:
 
 
 # --- the client ---------------------------------------------------------------------------------
-HOME = _setting("HOME", None, optional_text, CLIENT)  # default: ~/.orchestrator (home.py)
-STORAGE_ROOT = _setting("STORAGE_ROOT", None, optional_text, CLIENT)  # default: $HOME/storage
+HOME = _setting("HOME", None, text, CLIENT)  # default: ~/.orchestrator (home.py)
+STORAGE_ROOT = _setting("STORAGE_ROOT", None, text, CLIENT)  # default: $HOME/storage
 SHARED_FILESYSTEM = _setting("SHARED_FILESYSTEM", False, flag, CLIENT)
 SCHEDULING_TIMEOUT_S = _setting("SCHEDULING_TIMEOUT_S", 600.0, positive_float, CLIENT)
-PYTHON = _setting("PYTHON", None, optional_text, CLIENT)
+PYTHON = _setting("PYTHON", None, text, CLIENT)
 MAX_ARCHIVE_BYTES = _setting("MAX_ARCHIVE_BYTES", 5 * 1024**3, whole_bytes, CLIENT)
 CONFIG_LOAD_TIMEOUT_S = _setting("CONFIG_LOAD_TIMEOUT_S", 60.0, positive_float, CLIENT)
 MAX_NODE_COUNT = _setting("MAX_NODE_COUNT", 256, whole_number, CLIENT)
 MAX_CPU_COUNT = _setting("MAX_CPU_COUNT", 1024, whole_number, CLIENT)
 MAX_GPUS_PER_NODE = _setting("MAX_GPUS_PER_NODE", 16, whole_number, CLIENT)
-RAY_CLIENT_ADDRESS = _setting("RAY_CLIENT_ADDRESS", None, optional_text, CLIENT)
+RAY_CLIENT_ADDRESS = _setting("RAY_CLIENT_ADDRESS", None, text, CLIENT)
 TERMINAL_LOST_S = _setting("TERMINAL_LOST_S", 60.0, positive_float, CLIENT)
 # Read at push and stored in the job's record (storage/checkpoints.py, storage/retry.py parse
 # them as a group, each named here).
-CHECKPOINT_CONCURRENCY = _setting("CHECKPOINT_CONCURRENCY", None, optional_text, CLIENT)
-CHECKPOINT_BANDWIDTH_MBPS = _setting("CHECKPOINT_BANDWIDTH_MBPS", None, optional_text, CLIENT)
-CHECKPOINT_SETTLE_S = _setting("CHECKPOINT_SETTLE_S", None, optional_text, CLIENT)
-CHECKPOINT_FORMAT_WAIT_S = _setting("CHECKPOINT_FORMAT_WAIT_S", None, optional_text, CLIENT)
-CHECKPOINT_FLUSH_TIMEOUT_S = _setting("CHECKPOINT_FLUSH_TIMEOUT_S", None, optional_text, CLIENT)
+CHECKPOINT_CONCURRENCY = _setting("CHECKPOINT_CONCURRENCY", None, text, CLIENT)
+CHECKPOINT_BANDWIDTH_MBPS = _setting("CHECKPOINT_BANDWIDTH_MBPS", None, text, CLIENT)
+CHECKPOINT_SETTLE_S = _setting("CHECKPOINT_SETTLE_S", None, text, CLIENT)
+CHECKPOINT_FORMAT_WAIT_S = _setting("CHECKPOINT_FORMAT_WAIT_S", None, text, CLIENT)
+CHECKPOINT_FLUSH_TIMEOUT_S = _setting("CHECKPOINT_FLUSH_TIMEOUT_S", None, text, CLIENT)
 CHECKPOINT_DELETE_LOCAL = _setting("CHECKPOINT_DELETE_LOCAL", False, flag, CLIENT)
 CHECKPOINT_TEMPORARY_PATTERNS = _setting("CHECKPOINT_TEMPORARY_PATTERNS", "", text, CLIENT)
-STORAGE_OUTAGE_S = _setting("STORAGE_OUTAGE_S", None, optional_text, CLIENT)
-ON_STORAGE_ERROR = _setting("ON_STORAGE_ERROR", None, optional_text, CLIENT)
+STORAGE_OUTAGE_S = _setting("STORAGE_OUTAGE_S", None, text, CLIENT)
+ON_STORAGE_ERROR = _setting("ON_STORAGE_ERROR", None, text, CLIENT)
 
 # --- the head node ------------------------------------------------------------------------------
 USE_IMAGE_URI = _setting("USE_IMAGE_URI", False, flag, HEAD)
-SECRETS_DIR = _setting("SECRETS_DIR", None, optional_text, HEAD)  # default: $HOME/secrets
+SECRETS_DIR = _setting("SECRETS_DIR", None, text, HEAD)  # default: $HOME/secrets
 
 # --- every node ---------------------------------------------------------------------------------
-NODE_ROOT = _setting("NODE_ROOT", None, optional_text, NODE)  # default: <tmp>/orchestrator
-NODE_CACHE_DIR = _setting("NODE_CACHE_DIR", None, optional_text, NODE)
+NODE_ROOT = _setting("NODE_ROOT", None, text, NODE)  # default: <tmp>/orchestrator
+NODE_CACHE_DIR = _setting("NODE_CACHE_DIR", None, text, NODE)
 NODE_CACHE_GIB = _setting("NODE_CACHE_GIB", None, positive_float, NODE)
-CLUSTER_CACHE_DIR = _setting("CLUSTER_CACHE_DIR", None, optional_text, NODE)
+CLUSTER_CACHE_DIR = _setting("CLUSTER_CACHE_DIR", None, text, NODE)
 CLUSTER_CACHE_GIB = _setting("CLUSTER_CACHE_GIB", None, positive_float, NODE)
 WEIGHTS_CONCURRENCY = _setting("WEIGHTS_CONCURRENCY", 8, whole_number, NODE)
 R2_ENDPOINT_URL = _setting(
     "R2_ENDPOINT_URL", "https://{account_id}.r2.cloudflarestorage.com", text, NODE
 )
 CW_ENDPOINT_URL = _setting("CW_ENDPOINT_URL", "https://cwobject.com", text, NODE)
-SHARED_CACHE_DIR = _setting("SHARED_CACHE_DIR", None, optional_text, NODE)
-TRAINING_CACHE_DIR = _setting("TRAINING_CACHE_DIR", None, optional_text, NODE)
+SHARED_CACHE_DIR = _setting("SHARED_CACHE_DIR", None, text, NODE)
+TRAINING_CACHE_DIR = _setting("TRAINING_CACHE_DIR", None, text, NODE)
 
 # Not settings: ORCHESTRATOR_SECRET_<NAME> (secret values, storage/secret_store.py) and
 # ORCHESTRATOR_RAY_ADDRESS (what a job's commands are given, agents/node_agent.py).

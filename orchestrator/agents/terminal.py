@@ -190,9 +190,6 @@ class Terminals:
         for terminal_id in ids:
             self.close(terminal_id)
 
-    def __len__(self) -> int:
-        return len(self._open)
-
     def _forget(self, terminal_id: str) -> Terminal | None:
         with self._lock:
             return self._open.pop(terminal_id, None)

@@ -23,7 +23,7 @@ from typing import BinaryIO
 from fsspec import AbstractFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from orchestrator.envflags import env_flag
+from orchestrator import settings
 from orchestrator.errors import ConfigError, UnsupportedFeatureError
 from orchestrator.storage.local_checkpoint import LocalFile, Snapshot, snapshot
 from orchestrator.storage.parallel import parallel_map
@@ -86,13 +86,13 @@ class UploadSettings(BaseModel):
     @classmethod
     def from_env(cls) -> UploadSettings:
         """Settings from ORCHESTRATOR_CHECKPOINT_*; a bad value is a ConfigError naming it."""
-        values: dict[str, object] = {"delete_local": env_flag(f"{_ENV}DELETE_LOCAL")}
+        values: dict[str, object] = {"delete_local": settings.CHECKPOINT_DELETE_LOCAL.get()}
         for field in ("concurrency", "bandwidth_mbps", "settle_s", "format_wait_s",
                       "flush_timeout_s"):  # fmt: skip
             var = f"{_ENV}{field.upper()}"
             if os.environ.get(var):
                 values[field] = os.environ[var]
-        patterns = os.environ.get(f"{_ENV}TEMPORARY_PATTERNS", "")
+        patterns = settings.CHECKPOINT_TEMPORARY_PATTERNS.get()
         values["temporary_patterns"] = tuple(p.strip() for p in patterns.split(",") if p.strip())
         try:
             return cls.model_validate(values)
