@@ -14,6 +14,7 @@ class JobState(str, enum.Enum):
     FAILED = "FAILED"
     DEPLOY_FAILED = "DEPLOY_FAILED"
     STOPPED = "STOPPED"
+    PREEMPTED = "PREEMPTED"  # its nodes were preempted more often than the job allows
 
     @property
     def is_terminal(self) -> bool:
@@ -28,17 +29,27 @@ CHECKPOINTS_NOT_STORED_EXIT = 3
 OUTCOME_NOT_STORED_EXIT = 4
 
 TERMINAL_STATES = frozenset(
-    {JobState.COMPLETED, JobState.FAILED, JobState.DEPLOY_FAILED, JobState.STOPPED}
+    {
+        JobState.COMPLETED,
+        JobState.FAILED,
+        JobState.DEPLOY_FAILED,
+        JobState.STOPPED,
+        JobState.PREEMPTED,
+    }
 )
 
-_ENDINGS = {JobState.FAILED, JobState.STOPPED}
+_ENDINGS = {JobState.FAILED, JobState.STOPPED, JobState.PREEMPTED}
+# A fault while RUNNING that the job's retry policy retries: back to PENDING while a lost node's
+# replacement cannot be placed, or straight to DEPLOYING to prepare it (controller/attempts.py).
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.CREATED: frozenset(
         {JobState.PENDING, JobState.DEPLOYING, JobState.DEPLOY_FAILED, *_ENDINGS}
     ),
     JobState.PENDING: frozenset({JobState.DEPLOYING, JobState.DEPLOY_FAILED, *_ENDINGS}),
     JobState.DEPLOYING: frozenset({JobState.RUNNING, JobState.DEPLOY_FAILED, *_ENDINGS}),
-    JobState.RUNNING: frozenset({JobState.COMPLETED, *_ENDINGS}),
+    JobState.RUNNING: frozenset(
+        {JobState.COMPLETED, JobState.PENDING, JobState.DEPLOYING, *_ENDINGS}
+    ),
     **{state: frozenset() for state in TERMINAL_STATES},
 }
 

@@ -54,6 +54,22 @@ def whole_number(raw: str) -> int:
     return int(raw)
 
 
+def count(raw: str) -> int:
+    if not raw.isdigit():
+        raise ValueError("must be a whole number (0 or more)")
+    return int(raw)
+
+
+def seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError("must be a number of seconds, 0 or more")
+    return value
+
+
 def whole_bytes(raw: str) -> int:
     if not raw.isdigit():
         raise ValueError("is not a whole number of bytes, e.g. 10737418240 for 10 GiB")
@@ -109,6 +125,10 @@ CHECKPOINT_DELETE_LOCAL = _setting("CHECKPOINT_DELETE_LOCAL", False, flag, CLIEN
 CHECKPOINT_TEMPORARY_PATTERNS = _setting("CHECKPOINT_TEMPORARY_PATTERNS", "", text, CLIENT)
 STORAGE_OUTAGE_S = _setting("STORAGE_OUTAGE_S", None, text, CLIENT)
 ON_STORAGE_ERROR = _setting("ON_STORAGE_ERROR", None, text, CLIENT)
+# The retry policy, read where the job is recorded (storage/records.py RetryPolicy).
+MAX_RETRIES = _setting("MAX_RETRIES", 0, count, CLIENT)
+MAX_PREEMPTIONS = _setting("MAX_PREEMPTIONS", 20, count, CLIENT)
+RETRY_DELAY_S = _setting("RETRY_DELAY_S", 10.0, seconds, CLIENT)
 
 # --- the head node ------------------------------------------------------------------------------
 USE_IMAGE_URI = _setting("USE_IMAGE_URI", False, flag, HEAD)

@@ -18,10 +18,11 @@ from orchestrator.client.jobs import JobHandle
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import store_job
 from orchestrator.controller.controller import JobController
+from orchestrator.controller.failure_policy import Fault, FaultKind
 from orchestrator.controller.node_group import NodeGroupError, RankRun
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.job_store import JobStore
-from orchestrator.storage.records import CheckpointSummary
+from orchestrator.storage.records import CheckpointSummary, RetryPolicy
 from orchestrator.storage.root import StorageRoot
 
 KEEP_RUNNING = None  # a rank's scripted ending: runs until the group is stopped
@@ -44,6 +45,16 @@ class FakeUploaders:
     def writer_ended(self, ending) -> None:
         pass
 
+    flush_timeout_s = 5.0
+
+    def end_attempt(self, endings, timeout, lost) -> list[str]:
+        self.nodes.calls.append(f"end attempt (lost {sorted(lost)})")
+        return []
+
+    def begin_attempt(self, number: int) -> str | None:
+        self.nodes.calls.append(f"begin attempt {number}")
+        return self.nodes.latest_checkpoint
+
     def flush(self, endings, timeout=None):
         self.flushed_with = endings
         self.nodes.calls.append(f"flush (stored state {self.nodes.stored_state()})")
@@ -51,7 +62,7 @@ class FakeUploaders:
 
 
 class FakeNodes:
-    """A NodeGroup whose ranks end as scripted; it notes each call, in order."""
+    """A NodeGroup whose ranks end as scripted, attempt by attempt; it notes each call."""
 
     def __init__(self, store: JobStore, job_id: str, size: int) -> None:
         self.store, self.job_id, self.size = store, job_id, size
@@ -60,8 +71,12 @@ class FakeNodes:
         self.uploaders: FakeUploaders | None = None
         self.cache_affinity = None
         self.endings: list[CommandsEnded | None] = [CommandsEnded(exit_code=0)] * size
+        self.later_endings: list[list[CommandsEnded | None]] = []  # attempt 1, 2, ...
+        self.lose: dict[int, int] = {}  # attempt -> the rank whose node is lost in it
         self.unplaceable = False
         self.during_prepare = lambda: None
+        self.requests: list[list] = []  # each attempt's StartRequests
+        self.latest_checkpoint: str | None = None
 
     def stored_state(self) -> str:
         return self.store.status(self.job_id).state.value
@@ -75,21 +90,27 @@ class FakeNodes:
     def create(self) -> None:
         self.calls.append("create")
 
-    def prepare(self, request, check_stop) -> list[PreparedNode]:
-        self.calls.append("prepare")
+    def prepare(self, request, check_stop, ranks=None) -> list[PreparedNode]:
+        self.calls.append("prepare" if ranks is None else f"prepare {ranks}")
         self.during_prepare()
         check_stop()
         return [
             PreparedNode(rank, f"node-{rank}", "10.0.0.1", f"host-{rank}", f"/work/rank-{rank}")
-            for rank in range(self.size)
+            for rank in (range(self.size) if ranks is None else ranks)
         ]
 
     def start(self, requests, on_lines) -> None:
         self.calls.append("start")
+        attempt = len(self.requests)
+        self.requests.append(requests)
+        endings = self.later_endings[attempt - 1] if attempt else self.endings
         self.runs = [RankRun(rank) for rank in range(self.size)]
-        for run, ending in zip(self.runs, self.endings, strict=True):
+        for run, ending in zip(self.runs, endings, strict=True):
             on_lines([f"[rank {run.rank}] started in {requests[run.rank].cwd}"])
-            if ending is not KEEP_RUNNING:
+            if attempt in self.lose and run.rank == self.lose[attempt]:
+                run.lost = RuntimeError("ActorDiedError: the node died\nnode 10.0.0.1 is gone")
+                run.done.set()
+            elif ending is not KEEP_RUNNING:
                 run.ended = ending
                 run.done.set()
 
@@ -100,6 +121,23 @@ class FakeNodes:
                 run.ended = CommandsEnded(exit_code=-15, stopped=True)
                 run.done.set()
         return None
+
+    def draining(self) -> dict[int, float]:
+        return {}
+
+    def fault_of(self, run: RankRun) -> Fault:
+        if run.lost is None:
+            return Fault(FaultKind.COMMAND_FAILED, run.failure().cause, run.rank)
+        why = f"rank {run.rank}'s node node-{run.rank} was lost"
+        return Fault(FaultKind.NODE_LOST, why, run.rank, f"node-{run.rank}")
+
+    def lost_elsewhere(self) -> Fault | None:
+        lost = next((r for r in self.runs if r.lost is not None), None)
+        return self.fault_of(lost) if lost else None
+
+    def replace(self, ranks, timeout_s, on_pending, check_stop) -> None:
+        self.calls.append(f"replace {ranks}")
+        on_pending(f"placing rank(s) {ranks} again")
 
     def write_back_cache(self, leader_node_id, wait_s):
         raise AssertionError("these jobs have no training cache")
@@ -130,13 +168,13 @@ def job(tmp_path: Path, monkeypatch):
     fake nodes."""
     monkeypatch.setenv("ORCHESTRATOR_HOME", str(tmp_path / "home"))
 
-    def make(nodes: int = 2, checkpointing: bool = False):
+    def make(nodes: int = 2, checkpointing: bool = False, retry: RetryPolicy | None = None):
         config = tmp_path / "job" / "config.py"
         config.parent.mkdir(exist_ok=True)
         config.write_text(textwrap.dedent(CONFIG.format(nodes=nodes, checkpointing=checkpointing)))
         (config.parent / "train.py").write_text("print('hi')\n")
         root = StorageRoot(str(tmp_path / "storage"))
-        record = store_job(prepare_job(config), root, "jseq00001", ray_address=None)
+        record = store_job(prepare_job(config), root, "jseq00001", ray_address=None, retry=retry)
         store = JobStore(root)
         fake = FakeNodes(store, record.job_id, nodes)
         if checkpointing:
@@ -191,7 +229,11 @@ def test_a_rank_lost_with_its_node_fails_the_job_naming_it(job):
     assert controller.run() == JobState.FAILED
     failure = handle.details().failure
     assert failure.node_rank == 0
-    assert failure.cause == "rank 0 was lost: RuntimeError: node 10.0.0.1 is gone"
+    assert failure.cause == (
+        "rank 0 was lost: RuntimeError: node 10.0.0.1 is gone (the job allows no retries "
+        "(--retries, ORCHESTRATOR_MAX_RETRIES))"
+    )
+    assert handle.details().attempts[0].cause == "node_lost"
 
 
 def test_a_stop_while_deploying_records_stopped_and_runs_no_command(job):
@@ -246,3 +288,94 @@ def test_the_controller_waits_for_a_rank_that_is_still_running(job):
     nodes.runs[1].done.set()
     runner.join(10)
     assert outcome == [JobState.COMPLETED]
+
+
+# --- retries ----------------------------------------------------------------------------------
+
+FAILING = CommandsEnded(exit_code=1, command="python train.py", last_lines=["diverged"])
+
+
+def test_a_lost_node_is_replaced_alone_and_the_next_attempt_resumes(job):
+    """Only the lost rank is placed and prepared again; every rank runs again with the next
+    BT_RETRY_COUNT; the attempts and the states in between are recorded."""
+    controller, nodes, handle = job(checkpointing=True, retry=RetryPolicy(retries=1))
+    nodes.endings = [KEEP_RUNNING, KEEP_RUNNING]
+    nodes.lose = {0: 1}
+    nodes.later_endings = [[CommandsEnded(exit_code=0)] * 2]
+    nodes.latest_checkpoint = "checkpoint-200"
+    assert controller.run() == JobState.COMPLETED
+    assert nodes.calls == [
+        "reserve", "create", "prepare", "uploaders ready", "start", "stop",
+        "end attempt (lost [1])", "replace [1]", "prepare [1]", "uploaders ready",
+        "begin attempt 1", "start", "flush (stored state RUNNING)",
+        "release (stored state COMPLETED)",
+    ]  # fmt: skip
+    assert [[r.env["BT_RETRY_COUNT"] for r in attempt] for attempt in nodes.requests] == [
+        ["0", "0"], ["1", "1"],
+    ]  # fmt: skip
+    status = handle.details()
+    assert states(handle) == [
+        "CREATED", "DEPLOYING", "RUNNING", "PENDING", "DEPLOYING", "RUNNING", "COMPLETED",
+    ]  # fmt: skip
+    first, second = status.attempts
+    assert (first.number, first.cause, first.rank, first.node_id) == (0, "node_lost", 1, "node-1")
+    assert first.decision == "retried: retry 1 of 1" and first.ended_at is not None
+    assert (second.number, second.resumed_from, second.decision) == (
+        1,
+        "checkpoint-200",
+        "completed",
+    )
+    assert [n.prepared_for for n in status.nodes] == [0, 1]  # the survivor was not prepared again
+    assert "==== attempt 1 (BT_RETRY_COUNT=1) ====" in "\n".join(handle.logs())
+
+
+def test_a_failing_command_is_not_retried_without_retry_on_failure(job):
+    controller, nodes, handle = job(retry=RetryPolicy(retries=3))
+    nodes.endings = [FAILING, KEEP_RUNNING]
+    assert controller.run() == JobState.FAILED
+    assert nodes.calls.count("start") == 1
+    assert handle.details().failure.cause == (
+        "rank 0: command exited with code 1: python train.py (a failed command is not retried "
+        "without retry_on_failure)"
+    )
+
+
+def test_retries_on_failure_run_three_attempts_then_fail_listing_every_cause(job):
+    controller, nodes, handle = job(
+        retry=RetryPolicy(retries=2, retry_on_failure=True, delay_s=0.05)
+    )
+    nodes.endings = [FAILING, KEEP_RUNNING]
+    nodes.lose = {1: 0}
+    nodes.later_endings = [[KEEP_RUNNING, KEEP_RUNNING], [KEEP_RUNNING, FAILING]]
+    assert controller.run() == JobState.FAILED
+    assert nodes.calls.count("start") == 3
+    failure = handle.details().failure
+    assert failure.attempts == [
+        "attempt 0: rank 0: command exited with code 1: python train.py",
+        "attempt 1: rank 0's node node-0 was lost",
+        "attempt 2: rank 1: command exited with code 1: python train.py",
+    ]
+    assert failure.cause.startswith(
+        "rank 1: command exited with code 1: python train.py (retries spent (2 of 2)); 3 attempts"
+    )
+    assert failure.node_rank == 1 and failure.last_lines == ["diverged"]
+    assert [a.cause for a in handle.details().attempts] == [
+        "command_failed", "node_lost", "command_failed",
+    ]  # fmt: skip
+
+
+def test_a_stop_during_the_wait_between_attempts_is_stopped(job):
+    controller, nodes, handle = job(retry=RetryPolicy(retries=1, retry_on_failure=True, delay_s=60))
+    nodes.endings = [FAILING, FAILING]
+    outcome: list[JobState] = []
+    runner = threading.Thread(target=lambda: outcome.append(controller.run()))
+    runner.start()
+    deadline = time.monotonic() + 10
+    while "retrying in 60 s" not in "\n".join(handle.logs()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert handle.status() == JobState.PENDING
+    controller.stop_requested.set()
+    runner.join(10)
+    assert outcome == [JobState.STOPPED]
+    assert nodes.calls.count("start") == 1
+    assert states(handle)[-2:] == ["PENDING", "STOPPED"]

@@ -68,6 +68,7 @@ class _Tracked:
     failed: str | None = None
     failed_at: float = 0.0
     failed_said: str | None = None  # the kind of failure last said: each kind is said once
+    restored: str | None = None  # the fingerprint of the stored version restored here
     gone: str | None = None  # deleted locally before it was stored: why it is not
     said: set[str] = field(default_factory=set)
 
@@ -101,6 +102,9 @@ class CheckpointUploader:
         self.earlier: dict[str, str] = dict(earlier or {})
         self.tracked: dict[str, _Tracked] = {}
         self.ignored: dict[str, EntryKind] = {}  # present now, not checkpoints
+        # Another rank's checkpoints restored here for a retried attempt: name -> (fingerprint,
+        # whose). Not this rank's to upload unless the job changes them.
+        self.restored: dict[str, tuple[str, str]] = {}
         self._said_earlier: set[str] = set()
         self._scan_error: str | None = None
         self.over_volume: str | None = None
@@ -151,6 +155,72 @@ class CheckpointUploader:
             self._renames.close()
         return UploaderFlush(self._entries(), self.events)
 
+    def end_attempt(self, timeout: float, clean: bool, how: str) -> UploaderFlush:
+        """An attempt's commands ended but the job goes on: upload what they left within
+        `timeout` (an unfinished checkpoint as INCOMPLETE), and keep watching for the next."""
+        self.writer_ended(clean, how)
+        deadline = time.monotonic() + timeout
+        retry = self.store.root.retry
+        retry.give_up_at = deadline
+        try:
+            if self._started.is_set():
+                self._scan(final=True, deadline=deadline)
+        finally:
+            retry.give_up_at = None
+        return UploaderFlush(self._entries(), self.events)
+
+    def begin_attempt(self, number: int, resume: dict[str, Any] | None, newer: list[str]) -> None:
+        """Before attempt `number` starts, put this rank at the job's resume point: set aside
+        what the last attempt left unfinished and the `newer` checkpoints other ranks lack, so
+        a trainer resuming from its newest checkpoint finds the one every rank has; and restore
+        `resume` (a manifest: this rank's copy, or the lowest writer's) if it is not here."""
+        if not self._started.wait(60):
+            raise TimeoutError(f"rank {self.rank}'s checkpoint uploader is not watching")
+        with self._lock:
+            self._writer_end = None
+            self._set_aside(number, set(newer), resume["name"] if resume else None)
+            if resume is None:
+                return
+            chosen = Manifest.model_validate(resume)
+            name, whose = chosen.name, f"rank-{chosen.node_rank}/{chosen.name}"
+            if self._exists(name):
+                return
+            self.store.download(chosen, self.local_dir / name)
+            fingerprint = snapshot(self.local_dir / name).fingerprint
+            if chosen.node_rank == self.rank:
+                t = self.tracked.setdefault(name, _Tracked())
+                t.stored, t.looked_up, t.restored, t.gone = chosen, True, fingerprint, None
+                t.seen, t.ready = None, None
+            else:
+                self.restored[name] = (fingerprint, whose)
+            self._event(
+                f"restored {whose} from the storage root into $BT_CHECKPOINT_DIR for attempt "
+                f"{number}: {len(chosen.files)} files, {chosen.size_bytes / 1e6:.1f} MB"
+            )
+
+    def _set_aside(self, number: int, newer: set[str], resume: str | None) -> None:
+        """Move out of the directory, to `set-aside/attempt-<number>/` beside it (kept on the
+        node; their stored copies stay): checkpoints not stored complete (an interrupted
+        save) and those newer than the job's resume point."""
+        for name, t in self.tracked.items():
+            if not self._exists(name) or name == resume:
+                continue
+            if name in newer:
+                why = f"it is newer than {resume}, the last checkpoint every rank stored"
+            elif t.stored.complete is False if t.stored else t.ready is None:
+                if t.seen is not None and not t.seen.files:
+                    continue  # an empty directory made first: the trainer fills it later
+                stored = "stored as INCOMPLETE" if t.stored is not None else "not stored"
+                why = f"it was not complete when the last attempt ended ({stored})"
+            else:
+                continue
+            place = self.job_dir / "set-aside" / f"attempt-{number}" / name
+            place.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(self.local_dir / name, place)
+            self._event(f"{name} moved to {place}: {why}; attempt {number} resumes from "
+                        f"{resume or 'the start'}")  # fmt: skip
+            t.gone = f"set aside before attempt {number}: {why}"
+
     # --- the watch loop ----------------------------------------------------------------------
 
     def _watch(self, earlier: dict[str, str] | None) -> None:
@@ -198,6 +268,16 @@ class CheckpointUploader:
 
     def _consider(self, name: str, recheck: bool, renamed: bool, final: bool) -> None:
         """Look at one checkpoint and upload it if it is complete and not stored as it is."""
+        if name in self.restored:
+            fingerprint, whose = self.restored[name]
+            if (
+                not (recheck or renamed)
+                or snapshot(self.local_dir / name).fingerprint == fingerprint
+            ):
+                return  # another rank's copy, restored for a retried attempt
+            del self.restored[name]
+            self._event(f"{name} (restored from {whose}) was changed by this job: it is "
+                        f"rank {self.rank}'s now")  # fmt: skip
         if name in self.earlier:
             if not (recheck or renamed):
                 return  # an earlier job's: looked at again every RECHECK_S
@@ -256,7 +336,9 @@ class CheckpointUploader:
 
     def _is_current(self, t: _Tracked) -> bool:
         stored, seen = t.stored, t.seen
-        return stored is not None and seen is not None and stored.source == seen.fingerprint
+        if stored is None or seen is None:
+            return False
+        return seen.fingerprint in (stored.source, t.restored)
 
     def _why_incomplete(self, name: str, t: _Tracked) -> str:
         assert t.seen is not None and self._writer_end is not None
@@ -354,6 +436,12 @@ class CheckpointUploader:
                             reason="in the checkpoint directory before this job started")
             for name in sorted(self.earlier)
         ]  # fmt: skip
+        for name, (_, whose) in sorted(self.restored.items()):
+            if self._exists(name):
+                why = f"a copy of {whose}, restored for a retry"
+                entries.append(
+                    CheckpointEntry(rank=self.rank, name=name, state="restored", reason=why)
+                )
         for name, t in sorted(self.tracked.items()):
             entries.append(self._entry(name, t))
         for name, kind in sorted(self.ignored.items()):

@@ -149,9 +149,14 @@ class NodeAgent:
         if checkpoint_dir:
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         # Before any command runs: what a reused checkpoint_path already holds is not this job's.
-        from orchestrator.agents.checkpoint_rules import write_earlier_checkpoints
+        # Taken once per job on a node: a rank prepared again (its agent was lost) keeps it.
+        from orchestrator.agents.checkpoint_rules import (
+            read_earlier_checkpoints,
+            write_earlier_checkpoints,
+        )
 
-        write_earlier_checkpoints(Path(checkpoint_dir or self.dirs.checkpoints), self.base)
+        if read_earlier_checkpoints(self.base) is None:
+            write_earlier_checkpoints(Path(checkpoint_dir or self.dirs.checkpoints), self.base)
         if load and download_folder:
             store = CheckpointStore(self.storage)
             folder = (
@@ -227,6 +232,7 @@ class NodeAgent:
         """
         commands, env, secrets, cwd = request.commands, request.env, request.secrets, request.cwd
         gpus_per_node = request.gpus_per_node
+        self._stopping.clear()  # a retried attempt on a node that ran the last one
         group = self._join(request.rendezvous)
         if group is None:  # stopped while waiting for the other ranks
             yield CommandsEnded(exit_code=0, stopped=True)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from orchestrator.cli.jobs_common import announce, follow
-from orchestrator.cli.options import Address, StorageRootOption
+from orchestrator.cli.options import RETRIES, RETRY_ON_FAILURE, Address, StorageRootOption
 from orchestrator.cli.render import (
     OutputFormat,
     console,
@@ -48,6 +48,8 @@ def push(
         bool,
         typer.Option("--colocate-ranks", help="Run all ranks on one node (a dev machine)"),
     ] = False,
+    retries: Annotated[int | None, RETRIES] = None,
+    retry_on_failure: Annotated[bool, RETRY_ON_FAILURE] = False,
     address: Address = None,
     storage_root: StorageRootOption = None,
     output: Annotated[OutputFormat, typer.Option("-o", "--output")] = OutputFormat.text,
@@ -62,7 +64,7 @@ def push(
         return
     job = api.push(
         config, address=address, storage_root=storage_root, overrides=overrides,
-        colocate_ranks=colocate_ranks,
+        colocate_ranks=colocate_ranks, retries=retries, retry_on_failure=retry_on_failure,
     )  # fmt: skip
     announce(job, f"pushed job [bold]{job.id}[/bold]", output)
     if tail and (code := follow(job)):

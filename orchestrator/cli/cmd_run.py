@@ -13,11 +13,12 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.cli.options import StorageRootOption
+from orchestrator.cli.options import RETRIES, RETRY_ON_FAILURE, StorageRootOption
 from orchestrator.client.connection import storage
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import scheduling_timeout, store_job
 from orchestrator.errors import OrchestratorError
+from orchestrator.storage.records import RetryPolicy
 
 _RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
@@ -25,12 +26,18 @@ _RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 def run(
     config: Annotated[Path, typer.Argument(help="Path to the job's config.py")],
     storage_root: StorageRootOption = None,
+    retries: Annotated[int | None, RETRIES] = None,
+    retry_on_failure: Annotated[bool, RETRY_ON_FAILURE] = False,
 ) -> None:
     """Run a job inside the current Ray job (the entrypoint of `ray job submit`)."""
     submission_id = _submission_id()
+    retry = RetryPolicy.resolve(retries, retry_on_failure)
     prepared = prepare_job(config)
     root = storage(storage_root)
-    store_job(prepared, root, submission_id, _dashboard_url(), submitted_via="ray-job-submit")
+    store_job(
+        prepared, root, submission_id, _dashboard_url(), submitted_via="ray-job-submit",
+        retry=retry,
+    )  # fmt: skip
     from orchestrator.controller.controller import run_controller  # needs ray: import late
 
     raise typer.Exit(run_controller(submission_id, root.url, scheduling_timeout()))

@@ -123,6 +123,7 @@ def _job_row(job: JobHandle, details: JobStatus | None = None) -> dict:
         "checkpoints": summary.describe() if summary else None,
         "checkpoint_sync_status": summary.sync_status if summary else None,
         "created": when(r.created_at),
+        "attempts": len(details.attempts),
     }
 
 
@@ -144,6 +145,8 @@ def _job_detail(job: JobHandle) -> dict:
         "checkpoint_problems": summary.problems() if summary else [],
         "held_until": details.held_until,
         "notices": job.record.notices,
+        "retry": job.record.retry.model_dump(mode="json"),
+        "attempts": [a.model_dump(mode="json") for a in details.attempts],
     }
 
 
@@ -160,6 +163,15 @@ def _weights_line(w: dict) -> str:
     return line
 
 
+def _attempt_line(a: dict) -> str:
+    """`13:02:11 to 13:05:40  node_lost: rank 1's node ... was lost -> retried: retry 1 of 2`"""
+    span = when(a["started_at"]) + (f" to {when(a['ended_at'])}" if a["ended_at"] else " on")
+    line = span + (f", from {a['resumed_from']}" if a["resumed_from"] else "")
+    if a["cause"]:
+        line += f"  {a['cause']}: {a['reason']}"
+    return line + (f" -> {a['decision']}" if a["decision"] else "")
+
+
 def _print_detail(job: JobHandle) -> None:
     d = _job_detail(job)
     table = Table(show_header=False, box=None)
@@ -171,7 +183,20 @@ def _print_detail(job: JobHandle) -> None:
     for event in d["history"]:
         table.add_row("", f"{when(event['at'])}  {event['state']}  {event['reason'] or ''}")
     for node in d["nodes_detail"]:
-        table.add_row(f"rank {node['rank']}", f"{node['ip']} ({node['hostname']})")
+        again = f", prepared for attempt {node['prepared_for']}" if node["prepared_for"] else ""
+        table.add_row(
+            f"rank {node['rank']}",
+            f"{node['ip']} ({node['hostname']}, {node['node_id'][:12]}{again})",
+        )
+    retry = d["retry"]
+    if len(d["attempts"]) > 1 or retry["retries"] or retry["retry_on_failure"]:
+        table.add_row(
+            "retries",
+            f"{retry['retries']}" + (" (failed commands too)" if retry["retry_on_failure"] else "")
+            + f"; preemptions up to {retry['max_preemptions']}",
+        )  # fmt: skip
+        for a in d["attempts"]:
+            table.add_row(f"attempt {a['number']}", _attempt_line(a))
     for i, w in enumerate(d["weights"]):
         table.add_row(f"weights[{i}]", _weights_line(w))
     if d["checkpoints"]:

@@ -14,6 +14,7 @@ ENDINGS = {
     JobState.FAILED: "[red]failed during execution[/red]",
     JobState.STOPPED: "[yellow]stopped by user[/yellow]",
     JobState.DEPLOY_FAILED: "[red]failed during deployment[/red]",
+    JobState.PREEMPTED: "[red]preempted more often than it may be retried[/red]",
 }
 
 

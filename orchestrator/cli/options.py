@@ -28,3 +28,12 @@ class SortOrder(str, enum.Enum):
 
 
 Project = Annotated[str | None, typer.Option("--project", help="Project name or id")]
+RETRIES = typer.Option(
+    "--retries", min=0,
+    help="Attempts after the first for a lost node or agent (and a failed command with "
+    "--retry-on-failure), each from the job's latest checkpoint; default: "
+    "$ORCHESTRATOR_MAX_RETRIES, else 0. Preemptions are retried without using it",
+)  # fmt: skip
+RETRY_ON_FAILURE = typer.Option(
+    "--retry-on-failure", help="Retry a start command that exits non-zero too (uses --retries)"
+)

@@ -18,6 +18,7 @@ from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.training import TrainingProject
 from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.records import RetryPolicy
 
 
 def push(
@@ -28,16 +29,25 @@ def push(
     storage_root: str | None = None,
     overrides: Overrides | None = None,
     colocate_ranks: bool = False,
+    retries: int | None = None,
+    retry_on_failure: bool = False,
 ) -> JobHandle:
     """Validate, package and submit a job. Nothing is created if the config is invalid.
 
     `colocate_ranks` runs all `node_count` ranks on one node, each its own process with its own
-    rank: multinode code on a single development machine.
+    rank: multinode code on a single development machine. `retries`: how many times a lost
+    node or agent (and, with `retry_on_failure`, a failed command) is retried from the job's
+    latest checkpoint (default ORCHESTRATOR_MAX_RETRIES, else 0); preemptions are retried
+    without using it.
     """
+    try:
+        retry = RetryPolicy.resolve(retries, retry_on_failure)
+    except ValueError as e:
+        raise OrchestratorError(str(e)) from None
     prepared = prepare_job(config, source_dir, overrides)
     connection = connect(address)
     store = JobStore(storage(storage_root))
-    record = submit(prepared, connection, store.root, colocate_ranks=colocate_ranks)
+    record = submit(prepared, connection, store.root, colocate_ranks=colocate_ranks, retry=retry)
     return JobHandle(store, record)
 
 

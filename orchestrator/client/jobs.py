@@ -19,7 +19,7 @@ from orchestrator.storage import layout
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest, ManifestFile
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.logs import read_logs
-from orchestrator.storage.records import Failure, JobRecord, JobStatus
+from orchestrator.storage.records import Attempt, Failure, JobRecord, JobStatus
 
 POLL_S = 0.25
 FOLLOW_POLL_LOCAL_S = 0.1  # a local storage root is cheap to read: follow logs closely
@@ -129,6 +129,10 @@ class JobHandle:
         except Exception as e:
             raise OrchestratorError(f"could not stop job {self.id}: {e}") from e
         return self.wait(timeout)
+
+    def attempts(self) -> list[Attempt]:
+        """Each run of the job's commands (BT_RETRY_COUNT), with how it ended and why."""
+        return self.refresh().attempts
 
     def checkpoints(self) -> list[Manifest]:
         """This job's uploaded checkpoints, every rank's, oldest first."""

@@ -18,7 +18,7 @@ from orchestrator.lifecycle import JobState
 from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.projects import ProjectRecord, ProjectStore
-from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus
+from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus, RetryPolicy
 from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.root import StorageRoot
 
@@ -48,6 +48,7 @@ def store_job(
     embedded: bool = False,
     upload_settings: UploadSettings | None = None,
     storage_settings: StorageSettings | None = None,
+    retry: RetryPolicy | None = None,
 ) -> JobRecord:
     """Upload the code archive (skipped if the same bytes are stored) and write the record."""
     store = JobStore(root)
@@ -78,6 +79,7 @@ def store_job(
         embedded_cluster=embedded,
         checkpoint_upload=upload_settings or UploadSettings.from_env(),
         storage=storage_settings or StorageSettings.from_env(),
+        retry=retry or RetryPolicy.resolve(),
         notices=list(prepared.warnings),
     )
     store.create(record, JobStatus.new(job_id, "submitted"))
@@ -128,16 +130,18 @@ def submit(
     connection: Connection,
     root: StorageRoot,
     colocate_ranks: bool = False,
+    retry: RetryPolicy | None = None,
 ) -> JobRecord:
     """Store the job, then submit its Ray job (submission id = job id)."""
     check_storage_reachable(connection, root)
     # A bad value is refused before anything exists.
     upload_settings, storage_settings = UploadSettings.from_env(), StorageSettings.from_env()
+    retry = retry or RetryPolicy.resolve()
     job_id = new_job_id()
     record = store_job(
         prepared, root, job_id, connection.address, colocate_ranks=colocate_ranks,
         embedded=connection.embedded, upload_settings=upload_settings,
-        storage_settings=storage_settings,
+        storage_settings=storage_settings, retry=retry,
     )  # fmt: skip
     submit_record(record, connection, root)
     return record

@@ -19,8 +19,10 @@ from orchestrator.spec.checkpoints import (
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.job_store import JobNotFound, JobStore
 from orchestrator.storage.records import CheckpointEntry, CheckpointSummary, JobRecord
+from orchestrator.storage.root import StorageRoot
 
 POLL_EVERY_S = 1.0
+RESTORE_TIMEOUT_S = 600.0  # fetching the latest checkpoint onto a replacement node
 
 
 class CheckpointNotFound(OrchestratorError):
@@ -156,6 +158,11 @@ class Uploaders:
         self.flush_timeout_s = record.checkpoint_upload.flush_timeout_s
         self._cursors = [0] * len(self.actors)
         self._last_poll = 0.0
+        # What earlier attempts' ends found, by "rank-N/name": a lost node's uploader starts
+        # again knowing nothing of them.
+        self._earlier: dict[str, CheckpointEntry] = {}
+        self.store = CheckpointStore(StorageRoot(record.storage_root))
+        self.project, self.job_id = record.project_key, record.job_id
 
     def wait_ready(self, timeout: float = 60) -> None:
         """Until every uploader watches its directory: a checkpoint renamed into place in the
@@ -180,6 +187,54 @@ class Uploaders:
             over = over or state.over_volume
         return lines, over
 
+    def end_attempt(self, endings: list[RankEnding], timeout: float, lost: set[int]) -> list[str]:
+        """Between attempts: every rank but the `lost` uploads what its commands left, within
+        `timeout`; the uploaders go on watching. Event lines (each uploader's unread ones)."""
+        refs = {
+            e.rank: self.actors[e.rank].end_attempt.remote(timeout, e.clean, e.how)
+            for e in endings
+            if e.rank not in lost
+        }
+        lines = [
+            f"[rank {rank}] [checkpoints] what this rank had not stored when it was lost is lost"
+            for rank in sorted(lost)
+        ]
+        if lost:  # what a lost rank did store, as its uploader would have said
+            for m in self.store.list(self.project, self.job_id):
+                if m.node_rank in lost:
+                    entry = CheckpointEntry(
+                        rank=m.node_rank, name=m.name,
+                        state="uploaded" if m.complete else "incomplete",
+                        reason=m.incomplete_reason, files=len(m.files), size_bytes=m.size_bytes,
+                    )  # fmt: skip
+                    self._earlier[entry.key] = entry
+        for rank, ref in refs.items():
+            try:
+                result = ray.get(ref, timeout=timeout + 10)
+            except Exception as e:
+                lines.append(f"[rank {rank}] [checkpoints] uploader unreachable: {e}")
+                continue
+            cursor = self._cursors[rank] if self._cursors[rank] <= len(result.events) else 0
+            lines += result.events[cursor:]
+            self._cursors[rank] = len(result.events)
+            self._earlier.update({entry.key: entry for entry in result.entries})
+        return lines
+
+    def begin_attempt(self, number: int) -> str | None:
+        """Put every rank at the job's resume point (see `resume_point`) before attempt
+        `number`; the checkpoint's name, if the job has one."""
+        point = resume_point(self.store, self.project, self.job_id, len(self.actors))
+        refs = [
+            actor.begin_attempt.remote(
+                number,
+                point.copies[rank].model_dump() if point.name else None,
+                point.newer.get(rank, []),
+            )
+            for rank, actor in enumerate(self.actors)
+        ]
+        ray.get(refs, timeout=RESTORE_TIMEOUT_S)
+        return point.name
+
     def writer_ended(self, ending: RankEnding) -> None:
         """Tell a rank's uploader at once that its commands ended (not waited for)."""
         self.actors[ending.rank].writer_ended.remote(ending.clean, ending.how, ending.at)
@@ -202,9 +257,41 @@ class Uploaders:
             except Exception as e:
                 unreachable[f"rank-{rank}"] = f"uploader unreachable: {type(e).__name__}"
                 continue
-            lines += result.events[cursor:]
+            lines += result.events[cursor if cursor <= len(result.events) else 0 :]
             entries += result.entries
+        found = {e.key for e in entries}
+        entries += [e for key, e in self._earlier.items() if key not in found]
         return lines, CheckpointSummary.of(entries, unreachable)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a retried attempt starts: the newest checkpoint every rank that stores
+    checkpoints has stored complete. Each such rank gets its own copy; a rank that never
+    stored one (rank 0 writes for all) gets the lowest writer's. Newer checkpoints of some
+    ranks only are set aside, so that no rank resumes ahead of the others."""
+
+    name: str | None
+    copies: dict[int, Manifest]
+    newer: dict[int, list[str]]  # rank -> its checkpoints newer than `name`
+
+
+def resume_point(store: CheckpointStore, project: str, job_id: str, ranks: int) -> ResumePoint:
+    by_rank: dict[int, dict[str, Manifest]] = {}
+    for m in store.list(project, job_id):
+        if m.complete:
+            by_rank.setdefault(m.node_rank, {})[m.name] = m
+    writers = sorted(by_rank)
+    common = set.intersection(*(set(by_rank[r]) for r in writers)) if writers else set()
+    if not common:
+        return ResumePoint(None, {}, {})
+    name = max(common, key=lambda n: max(by_rank[r][n].created_at for r in writers))
+    copies = {r: by_rank.get(r, by_rank[writers[0]])[name] for r in range(ranks)}
+    newer = {
+        r: sorted(n for n, m in by_rank[r].items() if m.created_at > by_rank[r][name].created_at)
+        for r in writers
+    }
+    return ResumePoint(name, copies, newer)
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,16 @@ import ray
 from orchestrator.agents.messages import (
     PreparedNode,
     PrepareRequest,
-    StartRequest,
     WeightPlacement,
 )
 from orchestrator.agents.secret_service import start_secret_service
 from orchestrator.agents.services import NAMESPACE
+from orchestrator.controller.attempts import Attempts, Unrecoverable
 from orchestrator.controller.checkpointing import (
     CheckpointNotFound,
     RankEnding,
     resolve_checkpoints,
 )
-from orchestrator.controller.environment import job_environment
 from orchestrator.controller.node_group import (
     IMAGE_URI_ENV,
     NodeGroup,
@@ -50,7 +49,6 @@ from orchestrator.controller.training_cache import (
 from orchestrator.controller.weights import WeightsUnavailable, mirror_weights, record_deliveries
 from orchestrator.home import orchestrator_home
 from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, OUTCOME_NOT_STORED_EXIT, JobState
-from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.journal import JobJournal, spill_dir
 from orchestrator.storage.records import (
@@ -58,7 +56,6 @@ from orchestrator.storage.records import (
     Failure,
     JobRecord,
     JobStatus,
-    NodeInfo,
     WeightsStatus,
 )
 from orchestrator.storage.retry import ON_ERROR_ENV, StorageRetry
@@ -117,6 +114,7 @@ class JobController:
         self.nodes: NodeGroup = node_group(self.record, self.say)
         self.weight_sets: list[dict[str, Any]] = []  # mirrored sets, in the order of `weights`
         self.running_since = 0.0
+        self.prepare_request: PrepareRequest | None = None  # a replacement node's, too
 
     # --- state -----------------------------------------------------------------------------
 
@@ -153,7 +151,7 @@ class JobController:
             self._mirror_weights()
             self._reserve()
             self._deploy()
-            self._run_commands()
+            Attempts(self).run()
         except JobStopped:
             self._stop_agents()
             self._finish(JobState.STOPPED, "stopped by user")
@@ -166,13 +164,15 @@ class JobController:
             self._finish(JobState.FAILED, cause, failure=Failure(cause=cause))
         except DeployFailed as e:
             self.move(JobState.DEPLOY_FAILED, e.failure.cause, failure=e.failure)
+        except Unrecoverable as e:
+            causes = [f"attempt {a.number}: {a.reason}" for a in self.status.attempts if a.reason]
+            cause = f"the job could not be retried: {e}; " + "; ".join(causes)
+            self._stop_agents()
+            self._finish(JobState.FAILED, cause, failure=Failure(cause=cause, attempts=causes))
         except Exception as e:  # a bug or an infrastructure failure: record it, never hang
             failure = Failure(cause=f"controller error: {type(e).__name__}: {e}")
-            state = (
-                JobState.FAILED
-                if self.status.state == JobState.RUNNING
-                else (JobState.DEPLOY_FAILED)
-            )
+            ran = self.status.state == JobState.RUNNING or self.status.attempts
+            state = JobState.FAILED if ran else JobState.DEPLOY_FAILED
             self.move(state, failure.cause, failure=failure)
         finally:
             self._release()
@@ -258,7 +258,7 @@ class JobController:
     def _prepare(self, loads: list[Any]) -> list[PreparedNode]:
         job = self.record.spec.job
         load_config = job.runtime.load_checkpoint_config
-        request = PrepareRequest(
+        self.prepare_request = request = PrepareRequest(
             archive_path=self.record.archive.path,
             sha256=self.record.archive.sha256,
             checkpoint_dir=job.runtime.checkpointing_config.checkpoint_path,
@@ -278,49 +278,17 @@ class JobController:
         except NodeGroupError as e:
             raise DeployFailed(Failure(cause=str(e))) from e
 
-    def _run_commands(self) -> None:
-        self._check_stop()
-        job = self.record.spec.job
-        secrets = {
-            var: ref.name
-            for var, ref in job.runtime.environment_variables.items()
-            if isinstance(ref, SecretReference)
-        }
-        requests = [
-            StartRequest(
-                commands=tuple(job.runtime.start_commands),
-                env=job_environment(self.record, node),
-                secrets=secrets,
-                cwd=_workdir(node, self.record),
-                gpus_per_node=job.compute.gpus_per_node,
-            )
-            for node in self.status.nodes
-        ]
-        self.move(JobState.RUNNING, f"running {len(job.runtime.start_commands)} command(s)")
-        self.running_since = time.time()
-        self.nodes.start(requests, self._rank_lines)
-        runs = self.nodes.runs
-        uploaders = self.nodes.uploaders
-        over_volume = None
-        while not all(r.done.is_set() for r in runs):
-            self._check_stop()
-            if any(r.failed for r in runs):
-                break  # gang failure: one rank's failure ends the job
-            if uploaders is not None:
-                events, over_volume = uploaders.poll()
-                self._say_lines(events)
-                if over_volume:
-                    break
-            time.sleep(POLL_S)
-        failed = next((r for r in runs if r.failed), None)
-        if failed is None and over_volume is None:
-            self._hold_for_session(failed=False, why="all commands exited 0")
-            self._finish(JobState.COMPLETED, "all commands exited 0")
-            return
+    def complete(self) -> None:
+        """Every command of the last attempt exited 0."""
+        self._hold_for_session(failed=False, why="all commands exited 0")
+        self._finish(JobState.COMPLETED, "all commands exited 0")
+
+    def fail(self, state: JobState, failure: Failure) -> None:
+        """The job ends badly (`state`: FAILED, PREEMPTED): its commands are stopped already
+        or now, its nodes held if an interactive session asks."""
         self._stop_agents()
-        failure = failed.failure() if failed is not None else Failure(cause=str(over_volume))
         self._hold_for_session(failed=True, why=failure.cause)
-        self._finish(JobState.FAILED, failure.cause, failure=failure)
+        self._finish(state, failure.cause, failure=failure)
 
     def _rank_lines(self, lines: list[str]) -> None:
         sys.stdout.write("".join(line + "\n" for line in lines))
@@ -417,12 +385,6 @@ class JobController:
     def _release(self) -> None:
         summary = self.status.checkpoints
         self.nodes.release(keep_checkpoints=summary is None or not summary.all_uploaded)
-
-
-def _workdir(node: NodeInfo, record: JobRecord) -> str:
-    config_dir = record.archive.config_dir
-    assert node.working_dir is not None
-    return node.working_dir if config_dir in ("", ".") else f"{node.working_dir}/{config_dir}"
 
 
 def run_controller(job_id: str, storage_root: str, scheduling_timeout_s: float) -> int:

@@ -28,8 +28,8 @@ def load_dir(record: JobRecord, node: NodeInfo) -> str:
     return folder
 
 
-def job_environment(record: JobRecord, node: NodeInfo) -> dict[str, str]:
-    """BT_* variables plus the user's plain variables.
+def job_environment(record: JobRecord, node: NodeInfo, attempt: int = 0) -> dict[str, str]:
+    """BT_* variables plus the user's plain variables; `attempt` is BT_RETRY_COUNT.
 
     The node agent adds the group's variables (leader, ranks; after the rendezvous) and secrets.
     """
@@ -43,7 +43,7 @@ def job_environment(record: JobRecord, node: NodeInfo) -> dict[str, str]:
         "BT_NUM_GPUS": str(job.compute.gpus_per_node),
         "BT_WORKING_DIR": node.working_dir,
         "BT_SCRATCH_DIR": str(_dirs(node).scratch),
-        "BT_RETRY_COUNT": "0",
+        "BT_RETRY_COUNT": str(attempt),
     }
     if job.runtime.checkpointing_config.enabled:
         env["BT_CHECKPOINT_DIR"] = checkpoint_dir(record, node)

@@ -33,6 +33,7 @@ from orchestrator.agents.node_agent import TERMINAL_GROUP, TERMINAL_THREADS, Nod
 from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.controller.checkpointing import RankEnding, Uploaders
+from orchestrator.controller.failure_policy import Fault, FaultKind
 from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
 from orchestrator.controller.training_cache import affinity_selector
 from orchestrator.lifecycle import JobState
@@ -40,6 +41,7 @@ from orchestrator.storage.records import Failure, JobRecord
 
 POLL_S = 0.2
 CACHE_AFFINITY_WAIT_S = 3.0
+NODE_DEATH_WAIT_S = 3.0  # a dead agent's node is looked at this long before it is called alive
 
 
 class NodeGroupError(Exception):
@@ -110,15 +112,42 @@ class NodeGroup(Protocol):
         """Start the agents (and the rendezvous and uploaders) in the placed bundles."""
 
     def prepare(
-        self, request: PrepareRequest, check_stop: Callable[[], None]
+        self,
+        request: PrepareRequest,
+        check_stop: Callable[[], None],
+        ranks: list[int] | None = None,
     ) -> list[PreparedNode]:
-        """Every rank prepared, in rank order; NodeGroupError naming the first failure."""
+        """Every rank prepared (or just `ranks`), in rank order; NodeGroupError naming the
+        first failure."""
 
     def start(self, requests: list[StartRequest], on_lines: Callable[[list[str]], None]) -> None:
-        """Start each rank's commands; their lines go to `on_lines` as they come."""
+        """Start each rank's commands (a new attempt: a new rendezvous); their lines go to
+        `on_lines` as they come."""
 
     def stop(self, grace_s: float) -> str | None:
-        """Stop the commands (SIGTERM, SIGKILL after `grace_s`); an error to say, if any."""
+        """Stop the commands (SIGTERM, SIGKILL after `grace_s`) on every rank still there; an
+        error to say, if any."""
+
+    def draining(self) -> dict[int, float]:
+        """Ranks whose node is being drained (a preemption notice), with the node's deadline
+        (epoch seconds; 0: none given)."""
+
+    def fault_of(self, run: RankRun) -> Fault:
+        """Why a rank ended: its node lost or preempted, its agent lost, or its command failed."""
+
+    def lost_elsewhere(self) -> Fault | None:
+        """A lost or draining node or agent among all ranks, if any: a command that failed
+        because a peer vanished is that peer's fault, not the command's."""
+
+    def replace(
+        self,
+        ranks: list[int],
+        timeout_s: float,
+        on_pending: Callable[[str], None],
+        check_stop: Callable[[], None],
+    ) -> None:
+        """New agents for `ranks`, once Ray has placed their bundles again (a lost node's on
+        another node). NodeGroupError when not within `timeout_s`."""
 
     def write_back_cache(
         self, leader_node_id: str, wait_s: float | None
@@ -143,6 +172,9 @@ class RayNodeGroup:
         self.uploaders: Uploaders | None = None
         self.runs: list[RankRun] = []
         self.cache_affinity: str | None = None
+        self.node_ids: dict[int, str] = {}  # rank -> the node it was prepared on
+        self.drained: set[str] = set()  # nodes seen draining (preempted) during the job
+        self.attempt = 0  # the rendezvous' generation
 
     # --- placing ---------------------------------------------------------------------------
 
@@ -199,43 +231,49 @@ class RayNodeGroup:
 
     def create(self) -> None:
         compute = self.record.spec.job.compute
-        bundle = bundles_for(compute)[0]
         self.rendezvous = self._start_rendezvous(compute.node_count)
-        agent_cls = ray.remote(concurrency_groups={TERMINAL_GROUP: TERMINAL_THREADS})(NodeAgent)
-        image = self.record.spec.job.image.base_image
-        runtime_env = {"image_uri": image} if use_image_uri() else None
-        for rank in range(compute.node_count):
-            self.agents.append(
-                agent_cls.options(
-                    name=agent_name(self.record.job_id, rank),
-                    namespace=NAMESPACE,
-                    max_concurrency=4,
-                    num_cpus=bundle["CPU"],
-                    num_gpus=bundle.get("GPU", 0),
-                    memory=bundle["memory"],
-                    resources={k: v for k, v in bundle.items() if k.startswith("accelerator")},
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self.pg, placement_group_bundle_index=rank
-                    ),
-                    runtime_env=runtime_env,
-                ).remote(self.record.job_id, rank, self.record.storage_root, self.record.team)
-            )
+        self.agents = [self._start_agent(rank) for rank in range(compute.node_count)]
         if self.record.spec.job.runtime.checkpointing_config.enabled:
             self.uploaders = Uploaders(self.record, self.pg, compute.node_count)
             self.helpers += self.uploaders.actors
 
+    def _start_agent(self, rank: int) -> Any:
+        bundle = bundles_for(self.record.spec.job.compute)[rank]
+        agent_cls = ray.remote(concurrency_groups={TERMINAL_GROUP: TERMINAL_THREADS})(NodeAgent)
+        image = self.record.spec.job.image.base_image
+        runtime_env = {"image_uri": image} if use_image_uri() else None
+        return agent_cls.options(
+            name=agent_name(self.record.job_id, rank),
+            namespace=NAMESPACE,
+            max_concurrency=4,
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            memory=bundle["memory"],
+            resources={k: v for k, v in bundle.items() if k.startswith("accelerator")},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=rank
+            ),
+            runtime_env=runtime_env,
+        ).remote(self.record.job_id, rank, self.record.storage_root, self.record.team)
+
     def _start_rendezvous(self, group_size: int) -> Any:
-        """Started with the agents, so its worker starts while they prepare, not after.
+        """One per attempt: the barrier and the leader's port are that attempt's. Started with
+        the agents, so its worker starts while they prepare, not after.
 
         A job of one node needs none: its agent leads itself, and one fewer worker starts.
         """
 
         if group_size == 1:
             return None
+        if self.rendezvous is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.rendezvous)
+            self.helpers.remove(self.rendezvous)
+        self.attempt += 1
         rendezvous = (
             ray.remote(Rendezvous)
             .options(
-                name=f"orchestrator-{self.record.job_id}-rendezvous",
+                name=f"orchestrator-{self.record.job_id}-rendezvous-{self.attempt}",
                 namespace=NAMESPACE,
                 num_cpus=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -248,21 +286,29 @@ class RayNodeGroup:
         return rendezvous
 
     def prepare(
-        self, request: PrepareRequest, check_stop: Callable[[], None]
+        self,
+        request: PrepareRequest,
+        check_stop: Callable[[], None],
+        ranks: list[int] | None = None,
     ) -> list[PreparedNode]:
-        refs = [agent.prepare.remote(request) for agent in self.agents]
+        ranks = list(range(len(self.agents))) if ranks is None else ranks
+        refs = [self.agents[rank].prepare.remote(request) for rank in ranks]
         pending = list(refs)
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
             check_stop()
         try:
-            return ray.get(refs)
+            prepared = ray.get(refs)
         except Exception as e:
             raise NodeGroupError(f"preparing the node failed: {short_error(e)}") from e
+        self.node_ids.update({p.rank: p.node_id for p in prepared})
+        return prepared
 
     # --- running ---------------------------------------------------------------------------
 
     def start(self, requests: list[StartRequest], on_lines: Callable[[list[str]], None]) -> None:
+        if self.runs:  # a later attempt: the group meets anew
+            self.rendezvous = self._start_rendezvous(len(self.agents))
         self.runs = [RankRun(rank) for rank in range(len(self.agents))]
         for agent, request, run in zip(self.agents, requests, self.runs, strict=True):
             request = dataclasses.replace(request, rendezvous=self.rendezvous)
@@ -286,12 +332,113 @@ class RayNodeGroup:
                     self.uploaders.writer_ended(run.ending(None))
 
     def stop(self, grace_s: float) -> str | None:
-        refs = [agent.stop.remote(grace_s) for agent in self.agents]
+        """Every agent at once, so each rank's command has the whole grace; a lost rank's agent
+        is gone with its commands and is not waited for."""
+        live = [
+            agent
+            for rank, agent in enumerate(self.agents)
+            if not (rank < len(self.runs) and self.runs[rank].lost is not None)
+        ]
+        refs = [agent.stop.remote(grace_s) for agent in live]
+        errors = []
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=grace_s + 5)
+            except Exception as e:
+                errors.append(short_error(e))
+        return "; ".join(errors) or None
+
+    # --- faults ----------------------------------------------------------------------------
+
+    def draining(self) -> dict[int, float]:
         try:
-            ray.get(refs, timeout=grace_s + 5)
-        except Exception as e:
-            return short_error(e)
+            drains = ray._private.state.state.get_draining_nodes()  # node id -> deadline (ms)
+        except Exception:
+            return {}
+        found = {
+            rank: drains[node_id] / 1000
+            for rank, node_id in self.node_ids.items()
+            if node_id in drains
+        }
+        self.drained.update(self.node_ids[rank] for rank in found)
+        return found
+
+    def fault_of(self, run: RankRun) -> Fault:
+        node_id = self.node_ids.get(run.rank, "")
+        if run.lost is None:
+            failure = run.failure()
+            return Fault(FaultKind.COMMAND_FAILED, failure.cause, run.rank, node_id or None)
+        # The agent's death is told before, or just as, its node's: look at the node a moment.
+        deadline = time.monotonic() + NODE_DEATH_WAIT_S
+        while (alive := node_id in _alive_nodes()) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if alive:
+            why = f"rank {run.rank}'s node agent died ({short_error(run.lost)}); its node lives"
+            return Fault(FaultKind.AGENT_LOST, why, run.rank, node_id)
+        if node_id in self.drained:
+            why = f"rank {run.rank}'s node {node_id[:12]} was preempted and is gone"
+            return Fault(FaultKind.PREEMPTED, why, run.rank, node_id)
+        why = f"rank {run.rank}'s node {node_id[:12]} was lost"
+        return Fault(FaultKind.NODE_LOST, why, run.rank, node_id)
+
+    def lost_elsewhere(self) -> Fault | None:
+        lost = next((r for r in self.runs if r.done.is_set() and r.lost is not None), None)
+        if lost is not None:
+            return self.fault_of(lost)
+        alive = _alive_nodes()
+        draining = self.draining()
+        for rank, node_id in sorted(self.node_ids.items()):
+            if rank in draining:
+                why = f"rank {rank}'s node {node_id[:12]} is being preempted"
+                return Fault(FaultKind.PREEMPTED, why, rank, node_id)
+            if node_id not in alive:
+                kind = FaultKind.PREEMPTED if node_id in self.drained else FaultKind.NODE_LOST
+                why = f"rank {rank}'s node {node_id[:12]} was " + (
+                    "preempted" if kind == FaultKind.PREEMPTED else "lost"
+                )
+                return Fault(kind, why, rank, node_id)
         return None
+
+    def replace(
+        self,
+        ranks: list[int],
+        timeout_s: float,
+        on_pending: Callable[[str], None],
+        check_stop: Callable[[], None],
+    ) -> None:
+        for rank in ranks:
+            with contextlib.suppress(Exception):
+                ray.kill(self.agents[rank])
+        gone = [self.node_ids[r] for r in ranks if r in self.node_ids]
+        deadline = time.monotonic() + timeout_s
+        reason = None
+        while True:
+            check_stop()
+            alive = _alive_nodes()
+            leaving = [n for n in gone if n in alive and n in self.drained]
+            if not leaving and _placement_state(self.pg) == "CREATED":
+                break
+            if leaving:  # a preempted node keeps its bundles until it is gone
+                new_reason = (
+                    f"waiting for preempted node {leaving[0][:12]} to go, so that its rank is "
+                    "placed elsewhere"
+                )
+            else:
+                bundle = bundles_for(self.record.spec.job.compute)[0]
+                shortfall = describe_shortfall(bundle, 1, ray.nodes())
+                new_reason = f"placing rank(s) {', '.join(map(str, ranks))} again: {shortfall}"
+            if new_reason != reason:
+                reason = new_reason
+                on_pending(reason)
+            if time.monotonic() > deadline:
+                raise NodeGroupError(
+                    f"rank(s) {', '.join(map(str, ranks))} could not be placed again within "
+                    f"{timeout_s:g} s: {reason}"
+                )
+            time.sleep(POLL_S * 5)
+        for rank in ranks:
+            self.node_ids.pop(rank, None)
+            self.agents[rank] = self._start_agent(rank)
 
     def write_back_cache(
         self, leader_node_id: str, wait_s: float | None
@@ -321,6 +468,14 @@ IMAGE_URI_ENV = settings.USE_IMAGE_URI.name
 def use_image_uri() -> bool:
     """Run agents in the job's base image (a cluster with podman/docker for Ray's image_uri)."""
     return settings.USE_IMAGE_URI.get()
+
+
+def _alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _placement_state(pg: Any) -> str:
+    return str(ray.util.placement_group_table(pg).get("state", ""))
 
 
 def short_error(e: BaseException) -> str:

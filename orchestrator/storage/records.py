@@ -23,6 +23,29 @@ class ArchiveRef(_Record):
     config_dir: str  # where config.py sits inside the archive ("." at the root)
 
 
+class RetryPolicy(_Record):
+    """How often the job is carried over a fault (controller/failure_policy.py decides)."""
+
+    retries: int = 0  # attempts after the first, for lost nodes/agents and (opt-in) failures
+    retry_on_failure: bool = False  # a start command that exits non-zero is retried too
+    max_preemptions: int = 20  # preemptions are retried without using `retries`, this often
+    delay_s: float = 10.0  # the wait before retrying a failed command
+
+    @classmethod
+    def resolve(cls, retries: int | None = None, retry_on_failure: bool = False) -> RetryPolicy:
+        """The job's policy: `retries` as given, else ORCHESTRATOR_MAX_RETRIES."""
+        from orchestrator import settings
+
+        if retries is not None and retries < 0:
+            raise ValueError(f"retries must be 0 or more, not {retries}")
+        return cls(
+            retries=settings.MAX_RETRIES.get() if retries is None else retries,
+            retry_on_failure=retry_on_failure,
+            max_preemptions=settings.MAX_PREEMPTIONS.get(),
+            delay_s=settings.RETRY_DELAY_S.get(),
+        )
+
+
 class JobRecord(_Record):
     """The job as submitted. Secrets appear only as references (the spec never holds values)."""
 
@@ -42,6 +65,7 @@ class JobRecord(_Record):
     colocate_ranks: bool = False  # all ranks on one node (a development machine)
     checkpoint_upload: UploadSettings = Field(default_factory=UploadSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)  # riding out outages
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
     notices: list[str] = Field(default_factory=list)
 
     @property
@@ -65,6 +89,7 @@ class Failure(_Record):
     command: str | None = None
     node_rank: int | None = None
     last_lines: list[str] = Field(default_factory=list)
+    attempts: list[str] = Field(default_factory=list)  # each attempt's cause, when retried
 
 
 class NodeInfo(_Record):
@@ -73,6 +98,21 @@ class NodeInfo(_Record):
     ip: str
     hostname: str
     working_dir: str | None = None
+    prepared_for: int = 0  # the attempt this node was prepared for (a replacement's is later)
+
+
+class Attempt(_Record):
+    """One run of the job's commands (BT_RETRY_COUNT = `number`) and how it ended."""
+
+    number: int
+    started_at: float
+    ended_at: float | None = None
+    cause: str | None = None  # node_lost | agent_lost | preempted | command_failed | ... | None
+    reason: str | None = None  # in words, as the job's lines said it
+    rank: int | None = None  # the rank that failed or was lost
+    node_id: str | None = None  # the node lost or preempted
+    resumed_from: str | None = None  # the checkpoint restored for it ("checkpoint-200")
+    decision: str | None = None  # what followed: "retried", "failed: ...", "completed"
 
 
 class CheckpointEntry(_Record):
@@ -82,6 +122,7 @@ class CheckpointEntry(_Record):
     name: str
     # uploaded | incomplete (stored, marked so) | failed | pending (the flush deadline passed)
     # | deleted (by the job, before it was stored) | earlier_job | ignored (not a checkpoint)
+    # | restored (another rank's copy, put here for a retried attempt and not changed)
     state: str
     reason: str | None = None
     files: int = 0
@@ -142,7 +183,9 @@ class CheckpointSummary(_Record):
         ] + [f"{rank}: failed: {why}" for rank, why in self.failed.items() if "/" not in rank]
 
 
-_STATES = ("uploaded", "incomplete", "failed", "pending", "deleted", "earlier_job", "ignored")
+_STATES = (
+    "uploaded", "incomplete", "failed", "pending", "deleted", "earlier_job", "ignored", "restored",
+)  # fmt: skip
 
 
 class NodeDelivery(_Record):
@@ -200,6 +243,7 @@ class JobStatus(_Record):
     held_until: float | None = None  # an interactive session holds the nodes until then
     weights: list[WeightsStatus] = Field(default_factory=list)
     cache: CacheStatus | None = None
+    attempts: list[Attempt] = Field(default_factory=list)
 
     @classmethod
     def new(cls, job_id: str, reason: str | None = None) -> JobStatus:

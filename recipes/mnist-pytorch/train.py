@@ -6,6 +6,11 @@ Follows Baseten Training conventions:
   directories holding ``model.pt`` (state_dict), ``optimizer.pt`` and ``meta.json``.
 * ``BT_LOAD_CHECKPOINT_DIR``: if set, the newest checkpoint found under
   ``rank-<n>/<checkpoint_name>/model.pt`` is loaded and training continues after its epoch.
+* Retries: a newest ``checkpoint-<N>/`` already in ``BT_CHECKPOINT_DIR`` (this job's own
+  progress, put back there for a retried attempt, ``BT_RETRY_COUNT`` > 0) wins over
+  ``BT_LOAD_CHECKPOINT_DIR``: the run continues after epoch N.
+* SIGTERM (a stop or preemption): the current epoch is finished, checkpointed if it is not
+  yet, and the script exits with status 143.
 
 Exits with status 1 if the final test accuracy is below ``--min-accuracy``.
 """
@@ -17,10 +22,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import FrameType
 
 import torch
 from torch import nn
@@ -28,6 +35,7 @@ from torch import nn
 _T0 = time.perf_counter()
 
 CHECKPOINT_PREFIX = "checkpoint-"
+SIGTERM_EXIT = 128 + signal.SIGTERM  # 143, what a process killed by SIGTERM reports
 TEST_FRACTION = 0.25
 SPLIT_SEED = 1234  # fixed so the held-out split never changes between runs or resumes
 
@@ -173,6 +181,22 @@ def find_resume_checkpoint(load_dir: Path, preferred_rank: int) -> Path | None:
     return max(candidates, key=lambda c: c[:3])[3] if candidates else None
 
 
+def find_own_checkpoint(root: Path) -> Path | None:
+    """The newest complete ``checkpoint-<N>/`` directly in ``root`` (holding model.pt), or None.
+
+    Only exact ``checkpoint-<N>`` names count: hidden ``.tmp-*`` / ``.old-*`` directories left
+    by an interrupted save are never taken.
+    """
+    if not root.is_dir():
+        return None
+    found: list[tuple[int, Path]] = []
+    for child in root.iterdir():
+        m = re.fullmatch(re.escape(CHECKPOINT_PREFIX) + r"(\d+)", child.name)
+        if m and child.is_dir() and (child / "model.pt").is_file():
+            found.append((int(m.group(1)), child))
+    return max(found)[1] if found else None
+
+
 def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:
     """Load weights (and optimizer state if present) from ``path``; return its epoch."""
     model.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
@@ -184,6 +208,21 @@ def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer) ->
     return _checkpoint_number(path) or 0
 
 
+class StopRequest:
+    """Set by SIGTERM; the training loop acts on it between epochs."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.requested:  # os.write: print() may be mid-call in the interrupted frame
+            os.write(sys.stdout.fileno(), b"SIGTERM received: stopping after this epoch\n")
+        self.requested = True
+
+
 def _env(name: str) -> str:
     """Return env var ``name`` or "-" when unset/empty."""
     return os.environ.get(name) or "-"
@@ -192,11 +231,14 @@ def _env(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Train, checkpoint, and return the process exit code."""
     args = parse_args(argv)
+    stop = StopRequest()
+    stop.install()  # before the slow start-up, so an early SIGTERM is handled too
     threads = configure_threads()
     print(
         f"env: job_id={_env('BT_TRAINING_JOB_ID')} node_rank={_env('BT_NODE_RANK')} "
         f"group_size={_env('BT_GROUP_SIZE')} checkpoint_dir={_env('BT_CHECKPOINT_DIR')} "
-        f"load_checkpoint_dir={_env('BT_LOAD_CHECKPOINT_DIR')} threads={threads}",
+        f"load_checkpoint_dir={_env('BT_LOAD_CHECKPOINT_DIR')} "
+        f"retry_count={_env('BT_RETRY_COUNT')} threads={threads}",
         flush=True,
     )
 
@@ -206,9 +248,22 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model()
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
 
+    ckpt_env = os.environ.get("BT_CHECKPOINT_DIR")
+    ckpt_root = Path(ckpt_env) if ckpt_env else None
     start_epoch = 0
+    saved_epoch: int | None = None  # the newest epoch whose checkpoint is in ckpt_root
     load_dir = os.environ.get("BT_LOAD_CHECKPOINT_DIR")
-    if load_dir:
+    # This job's own newest checkpoint (a retried attempt finds it here) beats a loaded one.
+    own = find_own_checkpoint(ckpt_root) if ckpt_root is not None else None
+    if own is not None:
+        start_epoch = saved_epoch = load_checkpoint(own, model, opt)
+        print(
+            f"resumed from {own} (epoch {start_epoch}, BT_RETRY_COUNT={_env('BT_RETRY_COUNT')})",
+            flush=True,
+        )
+        if load_dir:
+            print(f"BT_LOAD_CHECKPOINT_DIR not used: {own} is this job's own", flush=True)
+    elif load_dir:
         rank_env = os.environ.get("BT_NODE_RANK", "0")
         rank = int(rank_env) if rank_env.isdigit() else 0
         ckpt = find_resume_checkpoint(Path(load_dir), rank)
@@ -218,9 +273,22 @@ def main(argv: list[str] | None = None) -> int:
             start_epoch = load_checkpoint(ckpt, model, opt)
             print(f"resumed from {ckpt} (epoch {start_epoch})", flush=True)
 
-    ckpt_env = os.environ.get("BT_CHECKPOINT_DIR")
-    ckpt_root = Path(ckpt_env) if ckpt_env else None
+    def stop_now(epoch: int, acc: float) -> int:
+        """Checkpoint ``epoch`` if it is not yet saved, then return the exit status."""
+        if ckpt_root is None:
+            what = "checkpointing is off (BT_CHECKPOINT_DIR unset)"
+        elif epoch == 0:
+            what = "no epoch finished, nothing to save"
+        elif saved_epoch == epoch:
+            what = f"checkpoint of epoch {epoch} already saved"
+        else:
+            what = f"saved checkpoint {save_checkpoint(ckpt_root, model, opt, epoch, acc)}"
+        print(f"SIGTERM: {what} ; exiting", flush=True)
+        return SIGTERM_EXIT
+
     acc = evaluate(model, x_te, y_te)
+    if stop.requested:  # SIGTERM during start-up
+        return stop_now(start_epoch, acc)
     for epoch in range(start_epoch + 1, args.epochs + 1):
         gen = torch.Generator().manual_seed(args.seed * 100_003 + epoch)  # resumable shuffle
         loss = train_epoch(model, opt, x_tr, y_tr, args.batch_size, gen)
@@ -229,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         periodic = args.checkpoint_every > 0 and epoch % args.checkpoint_every == 0
         if ckpt_root is not None and (periodic or epoch == args.epochs):
             path = save_checkpoint(ckpt_root, model, opt, epoch, acc)
+            saved_epoch = epoch
             print(f"saved checkpoint {path}", flush=True)
+        if stop.requested:
+            return stop_now(epoch, acc)
 
     print(f"final test accuracy: {acc:.4f}", flush=True)
     print(f"elapsed: {time.perf_counter() - _T0:.1f}s (since torch import)", flush=True)

@@ -6,7 +6,12 @@ when CUDA is available, else ``gloo`` on CPU. Each rank trains on its own shard 
 training split (``DistributedSampler``); ``DistributedDataParallel`` averages the gradients.
 
 * ``BT_CHECKPOINT_DIR``: if set, rank 0 writes ``checkpoint-<epoch>/`` directories holding
-  ``model.pt`` (state_dict) and ``meta.json`` there.
+  ``model.pt`` (state_dict), ``optimizer.pt`` and ``meta.json`` there. At start-up rank 0
+  resumes from the newest ``checkpoint-<N>/`` it finds there (a retried attempt,
+  ``BT_RETRY_COUNT`` > 0, finds the job's latest one put back) and broadcasts it to every rank:
+  training continues from epoch N+1 exactly as an uninterrupted run would.
+* SIGTERM (a stop or preemption): after the current epoch all ranks agree to stop, rank 0
+  checkpoints that epoch if it is not yet saved, and every rank exits with status 143.
 
 Every rank exits with status 1 if the final test accuracy is below ``--min-accuracy``.
 """
@@ -16,11 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +40,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 _T0 = time.perf_counter()
 
 CHECKPOINT_PREFIX = "checkpoint-"
+SIGTERM_EXIT = 128 + signal.SIGTERM  # 143, what a process killed by SIGTERM reports
 TEST_FRACTION = 0.25
 SPLIT_SEED = 1234  # the same held-out split as the mnist-pytorch recipe
 
@@ -127,13 +137,16 @@ def train_epoch(
     return (totals[0] / totals[1]).item()
 
 
-def save_checkpoint(root: Path, model: nn.Module, epoch: int, accuracy: float) -> Path:
+def save_checkpoint(
+    root: Path, model: nn.Module, opt: torch.optim.Optimizer, epoch: int, accuracy: float
+) -> Path:
     """Atomically write ``root/checkpoint-<epoch>/`` (temp dir in ``root``, then rename)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{CHECKPOINT_PREFIX}{epoch}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
     try:
         torch.save(model.state_dict(), tmp / "model.pt")
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")
         meta = {"epoch": epoch, "accuracy": accuracy, "world_size": dist.get_world_size()}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         old = None
@@ -147,6 +160,72 @@ def save_checkpoint(root: Path, model: nn.Module, epoch: int, accuracy: float) -
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def find_checkpoint(root: Path) -> Path | None:
+    """The newest complete ``checkpoint-<N>/`` directly in ``root`` (holding model.pt), or None.
+
+    Only exact ``checkpoint-<N>`` names count: hidden ``.tmp-*`` / ``.old-*`` directories left
+    by an interrupted save are never taken.
+    """
+    if not root.is_dir():
+        return None
+    found: list[tuple[int, Path]] = []
+    for child in root.iterdir():
+        m = re.fullmatch(re.escape(CHECKPOINT_PREFIX) + r"(\d+)", child.name)
+        if m and child.is_dir() and (child / "model.pt").is_file():
+            found.append((int(m.group(1)), child))
+    return max(found)[1] if found else None
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint onto the CPU: ``epoch``, ``model`` and ``optimizer`` (None if absent)."""
+    model = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    optim = None
+    if (path / "optimizer.pt").is_file():
+        optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    meta_file = path / "meta.json"
+    if meta_file.is_file():
+        epoch = int(json.loads(meta_file.read_text())["epoch"])
+    else:
+        epoch = int(path.name.removeprefix(CHECKPOINT_PREFIX))
+    return {"path": str(path), "epoch": epoch, "model": model, "optimizer": optim}
+
+
+def shared_resume_state(root: Path | None, is_leader: bool) -> dict[str, Any] | None:
+    """Rank 0's newest checkpoint in ``root`` (None if none), sent to every rank.
+
+    Only rank 0 looks: the other ranks' directories may or may not hold copies, and every rank
+    must start from the same weights, optimizer state and epoch.
+    """
+    box: list[Any] = [None]
+    if is_leader and root is not None:
+        path = find_checkpoint(root)
+        box[0] = read_checkpoint(path) if path is not None else None
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class StopRequest:
+    """Set by SIGTERM; the ranks act on it together between epochs."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.requested:  # os.write: print() may be mid-call in the interrupted frame
+            msg = f"rank {os.environ.get('RANK', '?')}: SIGTERM received: stopping after this epoch"
+            os.write(sys.stdout.fileno(), msg.encode() + b"\n")
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank if any rank was asked to stop (a collective: all ranks call it)."""
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -173,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = configure_threads()
     rank, world_size, device = setup_distributed()
     is_leader = rank == 0
+    stop = StopRequest()
+    stop.install()  # after the rendezvous: a SIGTERM while waiting for peers still ends us
     print(
         f"rank {rank}/{world_size}: node_rank={_env('NODE_RANK', 'BT_NODE_RANK', 'GROUP_RANK')} "
         f"local_rank={_env('LOCAL_RANK')} backend={dist.get_backend()} device={device} "
@@ -197,15 +278,55 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
+    ckpt_env = os.environ.get("BT_CHECKPOINT_DIR")
+    resume = shared_resume_state(Path(ckpt_env) if ckpt_env else None, is_leader)
+    ckpt_root = Path(ckpt_env) if ckpt_env and is_leader else None
+    net = build_model()
+    start_epoch = 0
+    saved_epoch: int | None = None  # the newest epoch rank 0 has in ckpt_root
+    if resume is not None:
+        net.load_state_dict(resume["model"])
+        start_epoch = saved_epoch = resume["epoch"]
     model = DistributedDataParallel(
-        build_model().to(device), device_ids=[device.index] if device.type == "cuda" else None
+        net.to(device), device_ids=[device.index] if device.type == "cuda" else None
     )
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if resume is not None:
+        if resume["optimizer"] is not None:
+            opt.load_state_dict(resume["optimizer"])
+        if is_leader:
+            print(
+                f"resumed from {resume['path']} (epoch {start_epoch}, "
+                f"BT_RETRY_COUNT={_env('BT_RETRY_COUNT')})"
+                + ("" if resume["optimizer"] is not None else "; no optimizer.pt: Adam restarts"),
+                flush=True,
+            )
+        del resume
 
-    ckpt_env = os.environ.get("BT_CHECKPOINT_DIR")
-    ckpt_root = Path(ckpt_env) if ckpt_env and is_leader else None
+    def stop_now(epoch: int, acc: float) -> int:
+        """Every rank: rank 0 checkpoints ``epoch`` if it is not yet saved; the others wait for
+        it, so no rank's exit tears the group down mid-save. Return the exit status."""
+        if is_leader:
+            if ckpt_env is None:
+                what = "checkpointing is off (BT_CHECKPOINT_DIR unset)"
+            elif epoch == 0:
+                what = "no epoch finished, nothing to save"
+            elif saved_epoch == epoch:
+                what = f"checkpoint of epoch {epoch} already saved"
+            else:
+                assert ckpt_root is not None
+                path = save_checkpoint(ckpt_root, model.module, opt, epoch, acc)
+                what = f"saved checkpoint {path}"
+            print(f"SIGTERM: {what} ; exiting", flush=True)
+        dist.barrier()
+        return SIGTERM_EXIT
+
     acc = evaluate(model.module, x_te, y_te)
-    for epoch in range(1, args.epochs + 1):
+    try:
+        code = train(...)
+    except RuntimeError:
+        pass
+    for epoch in range(start_epoch + 1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
         loss = train_epoch(model, opt, loader, device)
         # Weights are identical on every rank, so each evaluates the full (small) test split.

@@ -1,0 +1,287 @@
+"""A job's attempts: run every rank's commands, and carry the job over a fault when its retry
+policy says so.
+
+One attempt is one run of the commands on every rank (BT_RETRY_COUNT = its number). When one
+ends badly, its fault is recorded, every process of it is stopped (a preempted node's within
+its notice) and its checkpoints are stored; the failure policy decides. A retry replaces only
+what was lost (a lost node's bundle, which Ray places again by itself, gets a new agent that
+prepares it from scratch; the surviving nodes keep their code, weights and caches), restores
+the job's latest complete checkpoint on each rank that lacks it, and starts every rank again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orchestrator.agents.messages import StartRequest
+from orchestrator.controller.environment import job_environment
+from orchestrator.controller.failure_policy import (
+    Action,
+    FailureDecision,
+    FailurePolicy,
+    Fault,
+    FaultKind,
+)
+from orchestrator.controller.node_group import NodeGroup, NodeGroupError, RankRun
+from orchestrator.controller.weights import record_deliveries
+from orchestrator.lifecycle import JobState
+from orchestrator.spec.secrets import SecretReference
+from orchestrator.storage.records import Attempt, Failure, NodeInfo
+
+if TYPE_CHECKING:
+    from orchestrator.controller.controller import JobController
+
+POLL_S = 0.2
+DRAIN_POLL_S = 1.0  # how often the nodes are asked whether one is being preempted
+PEER_SETTLE_S = 1.0  # after a command fails, how long a peer's loss may take to be told
+STOP_GRACE_S = 10.0  # a fault's SIGTERM to SIGKILL, when no preemption deadline is nearer
+NOTICE_SHARE = 2 / 3  # of a preemption notice, the commands' share; the rest is for uploads
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How an attempt ended: every command exited 0, or a fault, or the checkpoint volume."""
+
+    fault: Fault | None = None
+    failure: Failure | None = None  # what the job's failure says if this attempt ends it
+    over_volume: str | None = None
+    deadline: float = 0.0  # a preemption notice's: when the node goes (epoch seconds)
+
+
+class Attempts:
+    """Runs the job's attempts for its controller, which owns the state and the journal."""
+
+    def __init__(self, job: JobController) -> None:
+        self.job = job
+        self.nodes: NodeGroup = job.nodes
+        self.policy = FailurePolicy(job.record.retry)
+        self.faults: list[Fault] = []
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Until an attempt completes, or a fault the policy does not retry."""
+        number, resumed = 0, None
+        while True:
+            end = self._run_one(number, resumed)
+            if end.fault is None and end.over_volume is None:
+                self._record_end(None, "completed")
+                self.job.complete()
+                return
+            if end.fault is None:  # over the checkpoint volume: not a fault to retry
+                self._record_end(None, f"failed: {end.over_volume}")
+                self.job.fail(JobState.FAILED, Failure(cause=str(end.over_volume)))
+                return
+            decision = self.policy.decide(end.fault, self.faults)
+            self.faults.append(end.fault)
+            if decision.action == Action.END:  # the job's end stops and flushes everything
+                self._record_end(end.fault, f"ended: {decision.why}")
+                assert decision.state is not None
+                self.job.fail(decision.state, self._final_failure(end, decision))
+                return
+            self._record_end(end.fault, f"retried: {decision.why}")
+            self._wind_down(end)
+            number += 1
+            resumed = self._recover(end.fault, decision, number)
+
+    # --- one attempt -----------------------------------------------------------------------
+
+    def _run_one(self, number: int, resumed: str | None) -> AttemptEnd:
+        job = self.job
+        job._check_stop()
+        requests = self._requests(number)
+        attempt = Attempt(number=number, started_at=time.time(), resumed_from=resumed)
+        attempts = [*job.status.attempts, attempt]
+        commands = len(job.record.spec.job.runtime.start_commands)
+        if number == 0:
+            job.move(JobState.RUNNING, f"running {commands} command(s)", attempts=attempts)
+            job.running_since = time.time()
+        else:
+            job.say(f"==== attempt {number} (BT_RETRY_COUNT={number}) ====")
+            how = f"from checkpoint {resumed}" if resumed else "from the start"
+            job.move(
+                JobState.RUNNING,
+                f"attempt {number}: running {commands} command(s) again, {how}",
+                attempts=attempts,
+            )
+        self.nodes.start(requests, job._rank_lines)
+        return self._follow(self.nodes.runs)
+
+    def _requests(self, number: int) -> list[StartRequest]:
+        record = self.job.record
+        job = record.spec.job
+        secrets = {
+            var: ref.name
+            for var, ref in job.runtime.environment_variables.items()
+            if isinstance(ref, SecretReference)
+        }
+        return [
+            StartRequest(
+                commands=tuple(job.runtime.start_commands),
+                env=job_environment(record, node, number),
+                secrets=secrets,
+                cwd=workdir(node, record.archive.config_dir),
+                gpus_per_node=job.compute.gpus_per_node,
+            )
+            for node in self.job.status.nodes
+        ]
+
+    def _follow(self, runs: list[RankRun]) -> AttemptEnd:
+        """Until every rank has ended, one has failed or been lost, or a node is preempted."""
+        uploaders = self.nodes.uploaders
+        next_drain_check = 0.0
+        while not all(r.done.is_set() for r in runs):
+            self.job._check_stop()
+            if time.monotonic() >= next_drain_check:
+                next_drain_check = time.monotonic() + DRAIN_POLL_S
+                if drains := self.nodes.draining():
+                    rank, deadline = min(drains.items(), key=lambda item: item[1] or 1e18)
+                    node_id = self.job.status.nodes[rank].node_id
+                    until = f"{deadline - time.time():.0f} s" if deadline else "no deadline"
+                    why = f"rank {rank}'s node {node_id[:12]} is being preempted ({until} left)"
+                    fault = Fault(FaultKind.PREEMPTED, why, rank, node_id)
+                    return AttemptEnd(fault, Failure(cause=why, node_rank=rank), None, deadline)
+            if any(r.failed for r in runs):
+                break
+            if uploaders is not None:
+                events, over_volume = uploaders.poll()
+                self.job._say_lines(events)
+                if over_volume:
+                    return AttemptEnd(over_volume=over_volume)
+            time.sleep(POLL_S)
+        failed = next((r for r in runs if r.failed and r.lost is not None), None)
+        failed = failed or next((r for r in runs if r.failed), None)
+        if failed is None:
+            return AttemptEnd()
+        fault = self.nodes.fault_of(failed)
+        if fault.kind == FaultKind.COMMAND_FAILED and len(runs) > 1:
+            # A rank whose peer vanished fails too (a broken collective): the peer's loss is
+            # the attempt's cause. It may be told a moment after the failure.
+            time.sleep(PEER_SETTLE_S)
+            fault = self.nodes.lost_elsewhere() or fault
+        return AttemptEnd(fault, failed.failure())
+
+    # --- between attempts ------------------------------------------------------------------
+
+    def _wind_down(self, end: AttemptEnd) -> None:
+        """Every process of the attempt stopped, and its checkpoints stored, before anything
+        else: no rank of this attempt may write into the next one's checkpoints."""
+        job, fault = self.job, end.fault
+        assert fault is not None
+        job.say(f"attempt {len(job.status.attempts) - 1} ended: {fault.reason}")
+        grace, upload_s = STOP_GRACE_S, None
+        if end.deadline:  # a preemption notice: the commands save, the uploader stores
+            left = max(0.0, end.deadline - time.time())
+            grace = max(1.0, left * NOTICE_SHARE)
+            job.say(
+                f"preemption notice: SIGTERM to every rank's commands now; they have "
+                f"{grace:.0f} s to save, the uploads until the node goes in {left:.0f} s"
+            )
+        error = self.nodes.stop(grace)
+        if error:
+            job.say(f"stopping the commands: {error}")
+        uploaders = self.nodes.uploaders
+        if uploaders is None:
+            return
+        runs = self.nodes.runs
+        for run in runs:
+            run.done.wait(5.0)  # a stopped rank's result follows its exit closely
+        if end.deadline:
+            upload_s = max(5.0, end.deadline - time.time())
+        lost = {r.rank for r in runs if r.lost is not None}
+        endings = [run.ending(None) for run in runs]
+        job._say_lines(uploaders.end_attempt(endings, upload_s or uploaders.flush_timeout_s, lost))
+
+    def _recover(self, fault: Fault, decision: FailureDecision, number: int) -> str | None:
+        """Wait as the policy says, replace what was lost, restore the latest checkpoint; the
+        checkpoint the next attempt resumes from."""
+        job = self.job
+        ranks = self._to_replace(fault)
+        what = f"rank(s) {', '.join(map(str, ranks))} placed again" if ranks else "a restart"
+        job.move(JobState.PENDING, f"{fault.reason}; {decision.why}: waiting for {what}")
+        if decision.delay_s:
+            job.say(f"retrying in {decision.delay_s:g} s")
+            until = time.monotonic() + decision.delay_s
+            while time.monotonic() < until:
+                job._check_stop()
+                time.sleep(POLL_S)
+        if ranks:
+            try:
+                self.nodes.replace(
+                    ranks,
+                    job.scheduling_timeout_s,
+                    lambda reason: job.move(JobState.PENDING, reason),
+                    job._check_stop,
+                )
+            except NodeGroupError as e:
+                raise Unrecoverable(str(e)) from None
+            job.move(JobState.DEPLOYING, f"preparing rank(s) {', '.join(map(str, ranks))}")
+            self._prepare_again(ranks, number)
+        else:
+            job.move(JobState.DEPLOYING, f"restarting every rank's commands (attempt {number})")
+        uploaders = self.nodes.uploaders
+        if uploaders is None:
+            return None
+        uploaders.wait_ready()
+        resumed = uploaders.begin_attempt(number)
+        job._say_lines(uploaders.poll()[0])
+        return resumed
+
+    def _to_replace(self, fault: Fault) -> list[int]:
+        ranks = {r.rank for r in self.nodes.runs if r.lost is not None}
+        if fault.kind in (FaultKind.NODE_LOST, FaultKind.AGENT_LOST, FaultKind.PREEMPTED):
+            assert fault.rank is not None
+            ranks.add(fault.rank)
+        return sorted(ranks)
+
+    def _prepare_again(self, ranks: list[int], number: int) -> None:
+        job = self.job
+        assert job.prepare_request is not None
+        try:
+            prepared = self.nodes.prepare(job.prepare_request, job._check_stop, ranks)
+        except NodeGroupError as e:
+            raise Unrecoverable(str(e)) from None
+        nodes = list(job.status.nodes)
+        for p in prepared:
+            nodes[p.rank] = p.node_info().model_copy(update={"prepared_for": number})
+            job.say(f"rank {p.rank}: prepared on node {p.node_id[:12]} ({p.hostname})")
+        weights = [w.model_copy(deep=True) for w in job.status.weights]
+        record_deliveries(weights, prepared, job.say)
+        job.status = job.status.model_copy(update={"nodes": nodes, "weights": weights})
+
+    # --- records ---------------------------------------------------------------------------
+
+    def _record_end(self, fault: Fault | None, decision: str) -> None:
+        job = self.job
+        attempts = list(job.status.attempts)
+        if not attempts:
+            return
+        updates = {"ended_at": time.time(), "decision": decision}
+        if fault is not None:
+            updates.update(cause=fault.kind.value, reason=fault.reason, rank=fault.rank,
+                           node_id=fault.node_id)  # fmt: skip
+        attempts[-1] = attempts[-1].model_copy(update=updates)
+        job.status = job.status.model_copy(update={"attempts": attempts})
+
+    def _final_failure(self, end: AttemptEnd, decision: FailureDecision) -> Failure:
+        assert end.fault is not None and end.failure is not None
+        failure = end.failure
+        cause = failure.cause
+        if end.fault.kind != FaultKind.COMMAND_FAILED or self.job.record.retry.retries:
+            cause += f" ({decision.why})"  # why a fault that could be retried was not
+        causes = [f"attempt {a.number}: {a.reason}" for a in self.job.status.attempts if a.reason]
+        if len(causes) > 1:
+            cause += f"; {len(causes)} attempts: " + "; ".join(causes)
+        return failure.model_copy(update={"cause": cause, "attempts": causes})
+
+
+class Unrecoverable(Exception):
+    """A retry could not replace what was lost (no room within the timeout, a failed prepare)."""
+
+
+def workdir(node: NodeInfo, config_dir: str) -> str:
+    """Where the commands run: the config's directory inside the node's unpacked code."""
+    assert node.working_dir is not None
+    return node.working_dir if config_dir in ("", ".") else f"{node.working_dir}/{config_dir}"

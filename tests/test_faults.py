@@ -1,0 +1,272 @@
+"""Jobs that survive faults, on a simulated GPU cluster with a spare node.
+
+Each worker raylet has its own node root (its "local disk"): a replacement node starts with
+nothing of the job, so what a retried rank finds in $BT_CHECKPOINT_DIR came from the storage
+root. A node is lost with `Cluster.remove_node`; a preemption is a drain with
+DRAIN_NODE_REASON_PREEMPTION and a deadline, then the node's removal, as a cloud does it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import psutil
+import pytest
+from conftest import eventually, make_job
+from ray.cluster_utils import Cluster
+from ray.util.state import list_actors, list_placement_groups
+
+from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV
+from orchestrator.client.api import get_job, push
+from orchestrator.client.jobs import JobHandle
+from orchestrator.cluster.local import CLUSTER_ENV, embedded_env
+from orchestrator.lifecycle import JobState
+
+# A trainer that resumes from the newest checkpoint in $BT_CHECKPOINT_DIR, saves one per step
+# (renamed into place), and on SIGTERM saves the step it is in and exits 143.
+TRAIN = """
+import os, pathlib, signal, sys, time
+rank, attempt = os.environ["BT_NODE_RANK"], os.environ["BT_RETRY_COUNT"]
+ck = pathlib.Path(os.environ["BT_CHECKPOINT_DIR"])
+steps, step_s = int(sys.argv[1]), float(sys.argv[2])
+marker = pathlib.Path("unpacked-for-attempt")  # gone if the workspace is unpacked again
+if not marker.exists():
+    marker.write_text(attempt)
+done = [int(p.name.split("-")[1]) for p in ck.glob("checkpoint-*") if (p / "state").exists()]
+start = max(done, default=0)
+print(f"attempt {attempt} pid {os.getpid()} unpacked for {marker.read_text()} "
+      f"resumes at {start}", flush=True)
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+for step in range(start + 1, steps + 1):
+    until = time.time() + step_s
+    while time.time() < until and not stop:
+        time.sleep(0.05)
+    tmp = ck / f".tmp-{step}"
+    tmp.mkdir()
+    (tmp / "state").write_text(str(step))
+    os.rename(tmp, ck / f"checkpoint-{step}")
+    print(f"step {step}", flush=True)
+    if stop:
+        print(f"SIGTERM: saved checkpoint-{step}", flush=True)
+        sys.exit(143)
+print("done", flush=True)
+"""
+
+
+class FaultCluster:
+    def __init__(self, cluster: Cluster, dashboard_url: str, disks: Path) -> None:
+        self.cluster, self.dashboard_url, self.disks = cluster, dashboard_url, disks
+        self.added = 0
+
+    def add_worker(self) -> None:
+        disk = self.disks / f"node-{self.added}"
+        self.added += 1
+        env = {"ORCHESTRATOR_NODE_ROOT": str(disk / "root"), NODE_CACHE_DIR_ENV: str(disk / "w")}
+        self.cluster.add_node(num_cpus=2, num_gpus=2, resources={"accelerator_type:H100": 1},
+                              env_vars=env)  # fmt: skip
+        self.cluster.wait_for_nodes()
+
+    def node(self, node_id: str):
+        return next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
+
+    def ensure_workers(self, count: int) -> None:
+        while len(self.cluster.worker_nodes) < count:
+            self.add_worker()
+
+
+@pytest.fixture(scope="module")
+def faults(orchestrator_home, s3_server, tmp_path_factory) -> Iterator[FaultCluster]:
+    os.environ.update({**embedded_env(), **CLUSTER_ENV, "ORCHESTRATOR_PYTHON": sys.executable})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": True,
+                        "dashboard_host": "127.0.0.1", "dashboard_port": port},
+    )  # fmt: skip
+    try:
+        fc = FaultCluster(cluster, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("disks"))
+        fc.ensure_workers(3)  # a 2-node job and a spare
+        yield fc
+    finally:
+        cluster.shutdown()
+
+
+def gang(directory: Path, steps: int, step_s: float, weights: str = "[]") -> Path:
+    return make_job(
+        directory,
+        f"""
+        from truss_train import definitions
+        project = definitions.TrainingProject(
+            name="faults",
+            job=definitions.TrainingJob(
+                image=definitions.Image(base_image="pytorch/pytorch:2.7.1"),
+                compute=definitions.Compute(
+                    node_count=2, cpu_count=1, memory="512Mi", accelerator="H100:2"
+                ),
+                runtime=definitions.Runtime(
+                    start_commands=["python train.py {steps} {step_s}"],
+                    checkpointing_config=definitions.CheckpointingConfig(enabled=True),
+                ),
+                weights={weights},
+            ),
+        )
+        """,
+        {"train.py": TRAIN},
+    )
+
+
+def lines_of(job: JobHandle, rank: int) -> list[str]:
+    prefix = f"[rank {rank} "
+    return [line.split("] ", 1)[1] for line in job.logs() if line.startswith(prefix)]
+
+
+def stored(job: JobHandle, rank: int) -> set[str]:
+    return {m.name for m in job.checkpoints() if m.node_rank == rank and m.complete}
+
+
+def pids(job: JobHandle) -> set[int]:
+    return {int(line.split("pid ")[1].split()[0]) for r in (0, 1) for line in lines_of(job, r)
+            if " pid " in line}  # fmt: skip
+
+
+def assert_nothing_left(job: JobHandle, fc: FaultCluster) -> None:
+    """No process of any attempt, no actor and no placement group of the job."""
+    eventually(lambda: not [p for p in pids(job) if psutil.pid_exists(p)
+                            and psutil.Process(p).status() != "zombie"],
+               "every attempt's processes to be gone")  # fmt: skip
+
+    def leftovers() -> list[str]:
+        actors = list_actors(address=fc.dashboard_url, filters=[("state", "!=", "DEAD")])
+        groups = list_placement_groups(address=fc.dashboard_url)
+        return [a.name for a in actors if job.id in (a.name or "")] + [
+            g.name for g in groups if job.id in g.name and g.state != "REMOVED"
+        ]
+
+    eventually(lambda: not leftovers(), "the job's actors and placement group to be gone")
+
+
+def test_a_lost_node_is_replaced_and_the_job_resumes_from_its_checkpoint(
+    tmp_path, storage_root, faults
+):
+    faults.ensure_workers(3)
+    bucket = f"faults-{uuid.uuid4().hex[:8]}"
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir(bucket)
+    fs.pipe(f"{bucket}/model/w.bin", b"weights")
+    weights = (
+        f"[definitions.WeightsSource(source='s3://{bucket}/model', "
+        f"mount_location='{tmp_path / 'mnt'}')]"
+    )
+    config = gang(tmp_path / "job", steps=7, step_s=1.0, weights=weights)
+    job = push(config, address=faults.dashboard_url, storage_root=storage_root, retries=1)
+    eventually(lambda: {"checkpoint-2"} <= stored(job, 1), "rank 1's second checkpoint", 90)
+    lost = job.details().nodes[1].node_id
+    faults.cluster.remove_node(faults.node(lost))
+
+    assert job.wait(timeout=150) == JobState.COMPLETED, "\n".join(job.logs()[-40:])
+    status = job.details()
+    first, second = status.attempts
+    assert (first.cause, first.rank, first.node_id) == ("node_lost", 1, lost)
+    assert first.decision == "retried: retry 1 of 1"
+    assert second.decision == "completed" and second.resumed_from is not None
+    resumed = int(second.resumed_from.split("-")[1])
+    assert resumed >= 2
+    # The replacement node had nothing of the job: its rank resumed from the restored copy.
+    assert status.nodes[1].node_id != lost and status.nodes[1].prepared_for == 1
+    # Every rank resumes from the newest checkpoint both stored (rank 0's newer one, which
+    # rank 1 never stored, is set aside).
+    rank1 = [line for line in lines_of(job, 1) if line.startswith("attempt 1 ")]
+    rank0 = [line for line in lines_of(job, 0) if line.startswith("attempt 1 ")]
+    assert rank1[0].endswith(f"resumes at {resumed}"), rank1
+    assert rank0[0].endswith(f"resumes at {resumed}"), rank0
+    # The survivor kept its unpacked code, and got its weights once.
+    assert "unpacked for 0" in rank0[0] and status.nodes[0].prepared_for == 0
+    deliveries = sorted(d.rank for d in status.weights[0].nodes)
+    assert deliveries == [0, 1, 1], deliveries  # rank 1's first node, then its replacement
+    assert any("==== attempt 1 (BT_RETRY_COUNT=1) ====" in line for line in job.logs())
+    assert {f"checkpoint-{i}" for i in range(1, 8)} <= stored(job, 1)
+    assert_nothing_left(job, faults)
+
+
+def test_a_preempted_node_saves_on_sigterm_and_the_job_resumes_on_another(
+    tmp_path, storage_root, faults
+):
+    faults.ensure_workers(3)
+    config = gang(tmp_path / "job", steps=6, step_s=1.5)
+    job = push(config, address=faults.dashboard_url, storage_root=storage_root)  # retries 0
+    eventually(lambda: {"checkpoint-2"} <= stored(job, 1), "rank 1's second checkpoint", 90)
+    preempted = job.details().nodes[1].node_id
+    ray = Path(sys.executable).parent / "ray"
+    subprocess.run(
+        [str(ray), "drain-node", "--address", faults.cluster.address, "--node-id", preempted,
+         "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot capacity reclaimed",
+         "--deadline-remaining-seconds", "30"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+
+    def waiting_for_the_node() -> bool:
+        history = get_job(job.id, storage_root=storage_root).refresh().history
+        return any("waiting for preempted node" in (e.reason or "") for e in history)
+
+    eventually(waiting_for_the_node, "the job to wait for the preempted node to go", 60)
+    saved = [line for line in lines_of(job, 1) if line.startswith("SIGTERM: saved")]
+    assert saved, lines_of(job, 1)
+    name = saved[0].rsplit(" ", 1)[1]
+    assert name in stored(job, 1)  # uploaded within the notice
+    faults.cluster.remove_node(faults.node(preempted))  # the deadline: the cloud takes it
+
+    assert job.wait(timeout=150) == JobState.COMPLETED, "\n".join(job.logs()[-40:])
+    first, second = job.details().attempts
+    assert (first.cause, first.rank, first.node_id) == ("preempted", 1, preempted)
+    assert second.resumed_from == name  # the checkpoint saved on SIGTERM
+    rank1 = [line for line in lines_of(job, 1) if line.startswith("attempt 1 ")]
+    assert rank1[0].endswith(f"resumes at {name.split('-')[1]}"), rank1
+    assert job.details().nodes[1].node_id != preempted
+    assert_nothing_left(job, faults)
+
+
+def test_a_failing_command_with_retries_runs_three_attempts_then_fails(tmp_path, faults):
+    """Through the CLI: --retries 2 --retry-on-failure."""
+    config = make_job(
+        tmp_path / "job",
+        """
+        from truss_train import definitions
+        project = definitions.TrainingProject(
+            name="faults",
+            job=definitions.TrainingJob(
+                image=definitions.Image(base_image="python:3.11"),
+                compute=definitions.Compute(cpu_count=1, memory="256Mi", accelerator="H100:1"),
+                runtime=definitions.Runtime(
+                    start_commands=["echo attempt $BT_RETRY_COUNT && exit 3"]
+                ),
+            ),
+        )
+        """,
+    )
+    storage_root = str(tmp_path / "storage")
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "push", str(config), "--retries", "2",
+         "--retry-on-failure", "--address", faults.dashboard_url, "--storage-root", storage_root,
+         "-o", "json"],
+        check=True, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "ORCHESTRATOR_RETRY_DELAY_S": "0.2"},
+    )  # fmt: skip
+    job = get_job(json.loads(out.stdout)["training_job"]["id"], storage_root=storage_root)
+    assert job.wait(timeout=120) == JobState.FAILED, "\n".join(job.logs()[-30:])
+    assert lines_of(job, 0) == ["attempt 0", "attempt 1", "attempt 2"]
+    failure = job.details().failure
+    assert [c.split(":")[0] for c in failure.attempts] == ["attempt 0", "attempt 1", "attempt 2"]
+    assert all("command exited with code 3" in c for c in failure.attempts)
+    assert "retries spent (2 of 2)" in failure.cause
+    assert job.record.retry.retries == 2 and job.record.retry.retry_on_failure
