@@ -38,9 +38,9 @@ TERMINAL_STATES = frozenset(
     }
 )
 
-_ENDINGS = {JobState.FAILED, JobState.STOPPED, JobState.PREEMPTED}
-# A fault while RUNNING that the job's retry policy retries: back to PENDING while a lost node's
-# replacement cannot be placed, or straight to DEPLOYING to prepare it (controller/attempts.py).
+_ENDINGS = {JobState.FAILED, JobState.STOPPED}
+# A fault while RUNNING that the job's retry policy retries goes back to PENDING (waiting for a
+# lost rank's replacement, or the retry delay), then DEPLOYING (controller/attempts.py).
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.CREATED: frozenset(
         {JobState.PENDING, JobState.DEPLOYING, JobState.DEPLOY_FAILED, *_ENDINGS}
@@ -48,7 +48,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PENDING: frozenset({JobState.DEPLOYING, JobState.DEPLOY_FAILED, *_ENDINGS}),
     JobState.DEPLOYING: frozenset({JobState.RUNNING, JobState.DEPLOY_FAILED, *_ENDINGS}),
     JobState.RUNNING: frozenset(
-        {JobState.COMPLETED, JobState.PENDING, JobState.DEPLOYING, *_ENDINGS}
+        {JobState.COMPLETED, JobState.PENDING, JobState.PREEMPTED, *_ENDINGS}
     ),
     **{state: frozenset() for state in TERMINAL_STATES},
 }

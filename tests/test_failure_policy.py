@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from orchestrator.controller.failure_policy import Action, FailurePolicy, Fault, FaultKind
-from orchestrator.lifecycle import JobState
+from orchestrator.lifecycle import TRANSITIONS, JobState
 from orchestrator.storage.records import RetryPolicy
 
 NODE = Fault(FaultKind.NODE_LOST, "rank 1's node was lost", 1, "n1")
@@ -48,3 +51,12 @@ def test_a_stop_is_never_retried():
     stop = Fault(FaultKind.STOPPED, "stopped by user")
     decision = FailurePolicy(RetryPolicy(retries=9, retry_on_failure=True)).decide(stop)
     assert (decision.action, decision.state) == (Action.END, JobState.STOPPED)
+
+
+def test_the_documented_state_machine_is_the_one_the_code_enforces():
+    """docs/architecture.md's diagram and lifecycle.TRANSITIONS change together."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    diagram = doc.split("stateDiagram-v2", 1)[1].split("```", 1)[0]
+    drawn = set(re.findall(r"^\s*([A-Z_]+) --> ([A-Z_]+):", diagram, re.M))
+    allowed = {(a.value, b.value) for a, targets in TRANSITIONS.items() for b in targets}
+    assert drawn == allowed

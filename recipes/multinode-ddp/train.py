@@ -225,7 +225,28 @@ class StopRequest:
         """True on every rank if any rank was asked to stop (a collective: all ranks call it)."""
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
+        self.requested = flag.item() > 0
+        return self.requested
+
+
+def checkpoint_on_stop(
+    root: Path | None,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    epoch: int,
+    accuracy: float,
+    saved_epoch: int | None,
+) -> None:
+    """Rank 0, stopping on SIGTERM: checkpoint ``epoch`` unless it is saved (or nothing is)."""
+    if root is None:
+        what = "checkpointing is off (BT_CHECKPOINT_DIR unset)"
+    elif epoch == 0:
+        what = "no epoch finished, nothing to save"
+    elif saved_epoch == epoch:
+        what = f"checkpoint of epoch {epoch} already saved"
+    else:
+        what = f"saved checkpoint {save_checkpoint(root, model, opt, epoch, accuracy)}"
+    print(f"SIGTERM: {what} ; exiting", flush=True)
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -303,49 +324,47 @@ def main(argv: list[str] | None = None) -> int:
             )
         del resume
 
-    def stop_now(epoch: int, acc: float) -> int:
-        """Every rank: rank 0 checkpoints ``epoch`` if it is not yet saved; the others wait for
-        it, so no rank's exit tears the group down mid-save. Return the exit status."""
-        if is_leader:
-            if ckpt_env is None:
-                what = "checkpointing is off (BT_CHECKPOINT_DIR unset)"
-            elif epoch == 0:
-                what = "no epoch finished, nothing to save"
-            elif saved_epoch == epoch:
-                what = f"checkpoint of epoch {epoch} already saved"
-            else:
-                assert ckpt_root is not None
-                path = save_checkpoint(ckpt_root, model.module, opt, epoch, acc)
-                what = f"saved checkpoint {path}"
-            print(f"SIGTERM: {what} ; exiting", flush=True)
-        dist.barrier()
-        return SIGTERM_EXIT
-
     acc = evaluate(model.module, x_te, y_te)
+    epoch, stopping = start_epoch, False
     try:
-        code = train(...)
-    except RuntimeError:
-        pass
-    for epoch in range(start_epoch + 1, args.epochs + 1):
-        sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
-        loss = train_epoch(model, opt, loader, device)
-        # Weights are identical on every rank, so each evaluates the full (small) test split.
-        acc = evaluate(model.module, x_te, y_te)
-        if is_leader:
-            print(f"epoch {epoch}/{args.epochs} loss {loss:.4f} test_acc {acc:.4f}", flush=True)
-        periodic = args.checkpoint_every > 0 and epoch % args.checkpoint_every == 0
-        if ckpt_root is not None and (periodic or epoch == args.epochs):
-            path = save_checkpoint(ckpt_root, model.module, epoch, acc)
-            print(f"saved checkpoint {path}", flush=True)
-
-    # Rank 0's verdict decides every rank's exit code, so no node succeeds while another fails.
-    verdict = torch.tensor([acc], dtype=torch.float64, device=device)
-    dist.broadcast(verdict, src=0)
-    acc = verdict.item()
+        stopping = stop.agreed(device)  # a SIGTERM during start-up
+        while not stopping and epoch < args.epochs:
+            epoch += 1
+            sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
+            loss = train_epoch(model, opt, loader, device)
+            # Weights are identical on every rank, so each evaluates the full (small) test split.
+            acc = evaluate(model.module, x_te, y_te)
+            if is_leader:
+                print(f"epoch {epoch}/{args.epochs} loss {loss:.4f} test_acc {acc:.4f}", flush=True)
+            periodic = args.checkpoint_every > 0 and epoch % args.checkpoint_every == 0
+            if ckpt_root is not None and (periodic or epoch == args.epochs):
+                path = save_checkpoint(ckpt_root, model.module, opt, epoch, acc)
+                saved_epoch = epoch
+                print(f"saved checkpoint {path}", flush=True)
+            stopping = stop.agreed(device)  # every rank learns of a SIGTERM to any rank
+        if stopping:
+            if is_leader:
+                checkpoint_on_stop(ckpt_root, model.module, opt, epoch, acc, saved_epoch)
+            dist.barrier()  # the others wait for the save: no exit tears the group down mid-save
+        else:
+            # Rank 0's verdict decides every rank's exit code, so no node succeeds while
+            # another fails.
+            verdict = torch.tensor([acc], dtype=torch.float64, device=device)
+            dist.broadcast(verdict, src=0)
+            acc = verdict.item()
+    except RuntimeError as e:  # DistBackendError too: a peer is gone (killed, or its node lost)
+        if not stop.requested:
+            raise
+        print(f"rank {rank}: SIGTERM: a collective failed ({e}); exiting", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(SIGTERM_EXIT)  # the group is broken: tearing it down could hang or abort
     # Drop DDP (its reducer holds gloo work) before the group goes: work still alive at
     # interpreter exit can abort a finished run ("terminate called without an active exception").
     del model, opt
     dist.destroy_process_group()
+    if stopping:
+        return SIGTERM_EXIT
 
     if is_leader:
         print(f"final test accuracy: {acc:.4f}", flush=True)
