@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -233,6 +234,33 @@ def test_a_preempted_node_saves_on_sigterm_and_the_job_resumes_on_another(
     rank1 = [line for line in lines_of(job, 1) if line.startswith("attempt 1 ")]
     assert rank1[0].endswith(f"resumes at {name.split('-')[1]}"), rank1
     assert job.details().nodes[1].node_id != preempted
+    assert_nothing_left(job, faults)
+
+
+def test_a_killed_node_agent_is_started_again_on_its_own_node(tmp_path, storage_root, faults):
+    faults.ensure_workers(2)
+    config = gang(tmp_path / "job", steps=5, step_s=1.0)
+    job = push(config, address=faults.dashboard_url, storage_root=storage_root, retries=1)
+    eventually(lambda: {"checkpoint-2"} <= stored(job, 0), "rank 0's second checkpoint", 90)
+    node = job.details().nodes[0].node_id
+    agent = next(
+        a for a in list_actors(address=faults.dashboard_url, filters=[("state", "=", "ALIVE")])
+        if a.name == f"orchestrator-{job.id}-rank-0"
+    )  # fmt: skip
+    os.kill(agent.pid, signal.SIGKILL)
+
+    assert job.wait(timeout=120) == JobState.COMPLETED, "\n".join(job.logs()[-40:])
+    first, second = job.details().attempts
+    assert (first.cause, first.rank, first.node_id) == ("agent_lost", 0, node)
+    assert job.details().nodes[0].node_id == node  # the same node, prepared again
+    assert job.details().nodes[0].prepared_for == 1
+    resumed = second.resumed_from
+    rank0 = [line for line in lines_of(job, 0) if line.startswith("attempt 1 ")]
+    assert resumed and rank0[0].endswith(f"resumes at {resumed.split('-')[1]}"), rank0
+    # Its checkpoints, there before the retry, are still this job's: stored, not "earlier".
+    summary = job.details().checkpoints
+    assert summary.all_uploaded and not [e for e in summary.entries if e.state == "earlier_job"]
+    assert {f"checkpoint-{i}" for i in range(1, 6)} <= stored(job, 0)
     assert_nothing_left(job, faults)
 
 

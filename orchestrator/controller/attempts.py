@@ -190,7 +190,10 @@ class Attempts:
             run.done.wait(5.0)  # a stopped rank's result follows its exit closely
         if end.deadline:
             upload_s = max(5.0, end.deadline - time.time())
+        # A lost node's uploader went with it; a lost agent's (its node lives) still uploads.
         lost = {r.rank for r in runs if r.lost is not None}
+        if fault.kind == FaultKind.AGENT_LOST:
+            lost = set()
         endings = [run.ending(None) for run in runs]
         job._say_lines(uploaders.end_attempt(endings, upload_s or uploaders.flush_timeout_s, lost))
 

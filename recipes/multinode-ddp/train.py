@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(SIGTERM_EXIT)  # the group is broken: tearing it down could hang or abort
     # Drop DDP (its reducer holds gloo work) before the group goes: work still alive at
     # interpreter exit can abort a finished run ("terminate called without an active exception").
-    del model, opt
+    del model, opt, net
     dist.destroy_process_group()
     if stopping:
         return SIGTERM_EXIT
