@@ -60,14 +60,15 @@ def _push(tmp: Path):
 
     job_dir = tmp / "job"
     job_dir.mkdir()
+    (job_dir / "sleep.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(3600)\n")
     (job_dir / "config.py").write_text(
         textwrap.dedent("""
         from orchestrator import definitions as d
         project = d.TrainingProject(name="bench-terminal", job=d.TrainingJob(
             image=d.Image(base_image="python:3.11"), compute=d.Compute(memory="256Mi"),
-            runtime=d.Runtime(start_commands=["python -c 'import time; print(\\"up\\", flush=True); time.sleep(3600)'"])))
+            runtime=d.Runtime(start_commands=["python sleep.py"])))
     """)
-    )  # noqa: E501
+    )
     job = push(job_dir / "config.py")
     deadline = time.monotonic() + 120
     while not any(line.endswith("] up") for line in job.logs()):
