@@ -264,33 +264,41 @@ def test_a_killed_node_agent_is_started_again_on_its_own_node(tmp_path, storage_
     assert_nothing_left(job, faults)
 
 
-def test_a_failing_command_with_retries_runs_three_attempts_then_fails(tmp_path, faults):
-    """Through the CLI: --retries 2 --retry-on-failure."""
-    config = make_job(
-        tmp_path / "job",
-        """
-        from truss_train import definitions
-        project = definitions.TrainingProject(
-            name="faults",
-            job=definitions.TrainingJob(
-                image=definitions.Image(base_image="python:3.11"),
-                compute=definitions.Compute(cpu_count=1, memory="256Mi", accelerator="H100:1"),
-                runtime=definitions.Runtime(
-                    start_commands=["echo attempt $BT_RETRY_COUNT && exit 3"]
-                ),
-            ),
-        )
-        """,
-    )
-    storage_root = str(tmp_path / "storage")
+FAILING = """
+from truss_train import definitions
+project = definitions.TrainingProject(
+    name="faults",
+    job=definitions.TrainingJob(
+        image=definitions.Image(base_image="python:3.11"),
+        compute=definitions.Compute(cpu_count=1, memory="256Mi", accelerator="H100:1"),
+        runtime=definitions.Runtime(start_commands=["echo attempt $BT_RETRY_COUNT && exit 3"]),
+    ),
+)
+"""
+
+
+def push_cli(config: Path, storage_root: str, faults: FaultCluster, *flags: str,
+             delay_s: str = "0.2") -> JobHandle:  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "push", str(config), "--retries", "2",
-         "--retry-on-failure", "--address", faults.dashboard_url, "--storage-root", storage_root,
-         "-o", "json"],
+        [sys.executable, "-m", "orchestrator", "push", str(config), *flags,
+         "--address", faults.dashboard_url, "--storage-root", storage_root, "-o", "json"],
         check=True, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "ORCHESTRATOR_RETRY_DELAY_S": "0.2"},
+        env={**os.environ, "ORCHESTRATOR_RETRY_DELAY_S": delay_s},
     )  # fmt: skip
-    job = get_job(json.loads(out.stdout)["training_job"]["id"], storage_root=storage_root)
+    return get_job(json.loads(out.stdout)["training_job"]["id"], storage_root=storage_root)
+
+
+def test_a_failing_command_with_retries_runs_three_attempts_then_fails(tmp_path, faults):
+    """Through the CLI: --retries alone does not retry a failed command; with
+    --retry-on-failure it runs three attempts."""
+    config = make_job(tmp_path / "job", FAILING)
+    storage_root = str(tmp_path / "storage")
+    once = push_cli(config, storage_root, faults, "--retries", "2")
+    assert once.wait(timeout=120) == JobState.FAILED
+    assert lines_of(once, 0) == ["attempt 0"] and len(once.details().attempts) == 1
+    assert "not retried without retry_on_failure" in once.details().failure.cause
+
+    job = push_cli(config, storage_root, faults, "--retries", "2", "--retry-on-failure")
     assert job.wait(timeout=120) == JobState.FAILED, "\n".join(job.logs()[-30:])
     assert lines_of(job, 0) == ["attempt 0", "attempt 1", "attempt 2"]
     failure = job.details().failure
@@ -298,3 +306,21 @@ def test_a_failing_command_with_retries_runs_three_attempts_then_fails(tmp_path,
     assert all("command exited with code 3" in c for c in failure.attempts)
     assert "retries spent (2 of 2)" in failure.cause
     assert job.record.retry.retries == 2 and job.record.retry.retry_on_failure
+    assert_nothing_left(job, faults)
+
+
+def test_a_stop_while_waiting_to_retry_ends_the_job_stopped(tmp_path, faults):
+    config = make_job(tmp_path / "job", FAILING)
+    storage_root = str(tmp_path / "storage")
+    job = push_cli(config, storage_root, faults, "--retries", "1", "--retry-on-failure",
+                   delay_s="120")  # fmt: skip
+
+    def waiting() -> bool:
+        return any("retrying in 120 s" in line for line in job.logs())
+
+    eventually(waiting, "the wait before the retry", 60)
+    assert job.refresh().state == JobState.PENDING
+    assert job.stop() == JobState.STOPPED
+    assert lines_of(job, 0) == ["attempt 0"]
+    assert [e.state for e in job.details().history][-2:] == [JobState.PENDING, JobState.STOPPED]
+    assert_nothing_left(job, faults)
