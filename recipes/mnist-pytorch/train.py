@@ -223,6 +223,27 @@ class StopRequest:
         self.requested = True
 
 
+def checkpoint_on_stop(
+    root: Path | None,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    epoch: int,
+    accuracy: float,
+    saved_epoch: int | None,
+) -> int:
+    """On SIGTERM: checkpoint ``epoch`` unless it is saved (or nothing is); the exit status."""
+    if root is None:
+        what = "checkpointing is off (BT_CHECKPOINT_DIR unset)"
+    elif epoch == 0:
+        what = "no epoch finished, nothing to save"
+    elif saved_epoch == epoch:
+        what = f"checkpoint of epoch {epoch} already saved"
+    else:
+        what = f"saved checkpoint {save_checkpoint(root, model, opt, epoch, accuracy)}"
+    print(f"SIGTERM: {what} ; exiting", flush=True)
+    return SIGTERM_EXIT
+
+
 def _env(name: str) -> str:
     """Return env var ``name`` or "-" when unset/empty."""
     return os.environ.get(name) or "-"
@@ -273,22 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             start_epoch = load_checkpoint(ckpt, model, opt)
             print(f"resumed from {ckpt} (epoch {start_epoch})", flush=True)
 
-    def stop_now(epoch: int, acc: float) -> int:
-        """Checkpoint ``epoch`` if it is not yet saved, then return the exit status."""
-        if ckpt_root is None:
-            what = "checkpointing is off (BT_CHECKPOINT_DIR unset)"
-        elif epoch == 0:
-            what = "no epoch finished, nothing to save"
-        elif saved_epoch == epoch:
-            what = f"checkpoint of epoch {epoch} already saved"
-        else:
-            what = f"saved checkpoint {save_checkpoint(ckpt_root, model, opt, epoch, acc)}"
-        print(f"SIGTERM: {what} ; exiting", flush=True)
-        return SIGTERM_EXIT
-
     acc = evaluate(model, x_te, y_te)
     if stop.requested:  # SIGTERM during start-up
-        return stop_now(start_epoch, acc)
+        return checkpoint_on_stop(ckpt_root, model, opt, start_epoch, acc, saved_epoch)
     for epoch in range(start_epoch + 1, args.epochs + 1):
         gen = torch.Generator().manual_seed(args.seed * 100_003 + epoch)  # resumable shuffle
         loss = train_epoch(model, opt, x_tr, y_tr, args.batch_size, gen)
@@ -300,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             saved_epoch = epoch
             print(f"saved checkpoint {path}", flush=True)
         if stop.requested:
-            return stop_now(epoch, acc)
+            return checkpoint_on_stop(ckpt_root, model, opt, epoch, acc, saved_epoch)
 
     print(f"final test accuracy: {acc:.4f}", flush=True)
     print(f"elapsed: {time.perf_counter() - _T0:.1f}s (since torch import)", flush=True)
