@@ -28,8 +28,11 @@ from ray.util.state import list_actors, list_placement_groups
 from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV
 from orchestrator.client.api import get_job, push
 from orchestrator.client.jobs import JobHandle
+from orchestrator.client.overrides import Overrides
 from orchestrator.cluster.local import CLUSTER_ENV, embedded_env
 from orchestrator.lifecycle import JobState
+
+REPO = Path(__file__).resolve().parents[1]
 
 # A trainer that resumes from the newest checkpoint in $BT_CHECKPOINT_DIR, saves one per step
 # (renamed into place), and on SIGTERM saves the step it is in and exits 143.
@@ -323,4 +326,39 @@ def test_a_stop_while_waiting_to_retry_ends_the_job_stopped(tmp_path, faults):
     assert job.stop() == JobState.STOPPED
     assert lines_of(job, 0) == ["attempt 0"]
     assert [e.state for e in job.details().history][-2:] == [JobState.PENDING, JobState.STOPPED]
+    assert_nothing_left(job, faults)
+
+
+def test_the_ddp_recipe_loses_a_node_and_ends_with_the_uninterrupted_accuracy(storage_root, faults):
+    """The multinode DDP recipe trains on two nodes to the single-node recipe's accuracy; with
+    a node removed mid-training it resumes on another node from rank 0's checkpoint and
+    reaches exactly the accuracy of the uninterrupted run."""
+    faults.ensure_workers(3)
+    config = REPO / "recipes" / "multinode-ddp" / "config.py"
+    run = Overrides(entrypoint="bash ./run.sh --epochs 60 --checkpoint-every 5")
+
+    def final_accuracy(job: JobHandle) -> str:
+        final = [line for line in lines_of(job, 0) if "final test accuracy" in line]
+        assert len(final) == 1, "\n".join(job.logs()[-30:])
+        return final[0].rsplit(" ", 1)[1]
+
+    whole = push(config, address=faults.dashboard_url, storage_root=storage_root, overrides=run)
+    assert whole.wait(timeout=300) == JobState.COMPLETED, "\n".join(whole.logs()[-30:])
+    assert float(final_accuracy(whole)) >= 0.9  # the single-node recipe's accuracy
+    assert len({n.node_id for n in whole.details().nodes}) == 2
+
+    job = push(config, address=faults.dashboard_url, storage_root=storage_root, overrides=run,
+               retries=1)  # fmt: skip
+    eventually(lambda: any(m.name == "checkpoint-10" for m in job.checkpoints()),
+               "rank 0's checkpoint at epoch 10", 240)  # fmt: skip
+    workers = {n.node_id for n in faults.cluster.worker_nodes}
+    lost = next(n for n in job.details().nodes if n.node_id in workers)  # not the head's
+    faults.cluster.remove_node(faults.node(lost.node_id))
+
+    assert job.wait(timeout=300) == JobState.COMPLETED, "\n".join(job.logs()[-40:])
+    first, second = job.details().attempts
+    assert (first.cause, first.rank) == ("node_lost", lost.rank), first
+    assert second.resumed_from is not None
+    assert any(line.startswith("resumed from") for line in lines_of(job, 0)), lines_of(job, 0)
+    assert final_accuracy(job) == final_accuracy(whole)
     assert_nothing_left(job, faults)
