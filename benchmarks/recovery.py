@@ -97,7 +97,7 @@ def main() -> None:
     _report(result, args)
 
 
-def _measure(tmp: Path, args: argparse.Namespace) -> dict[str, float]:
+def _measure(tmp: Path, args: argparse.Namespace) -> dict:
     from ray.cluster_utils import Cluster
 
     from orchestrator.client.api import push
@@ -145,6 +145,12 @@ def _measure(tmp: Path, args: argparse.Namespace) -> dict[str, float]:
         assert job.wait(timeout=600) == JobState.COMPLETED, job.logs()[-20:]
         status = job.details()
         replaced_prep = _span(status.history, JobState.DEPLOYING, JobState.RUNNING, last=True)
+        first = status.attempts[0]
+        after = [e for e in status.history if e.at >= removed]
+        steps = [("the fault recorded (attempt 0 ended)", first.ended_at or removed)]
+        steps += [(f"{e.state.value}: {(e.reason or '')[:60]}", e.at) for e in after]
+        steps.append(("every rank of attempt 1 running", again))
+        timeline = sorted(((what, at - removed) for what, at in steps), key=lambda w: w[1])
         assert [n.prepared_for for n in status.nodes] == [0, 1], status.nodes
 
         disk = tmp / "node-3"  # a spare again, for the fresh push's second node
@@ -164,6 +170,7 @@ def _measure(tmp: Path, args: argparse.Namespace) -> dict[str, float]:
             "fresh": fresh,
             "fresh_prep": fresh_prep,
             "since_checkpoint": since_checkpoint,
+            "timeline": timeline,
         }
     finally:
         cluster.shutdown()
@@ -206,7 +213,7 @@ def _span(history, start, end, last: bool = False) -> float:
     return end_at - next(e.at for e in events if e.state == start and e.at <= end_at)
 
 
-def _report(r: dict[str, float], args: argparse.Namespace) -> None:
+def _report(r: dict, args: argparse.Namespace) -> None:
     interval_s = args.interval * args.step_s
     print(f"code: {code_state()}; weights {args.weights_mb} MB on S3 (moto), code archive 16 MB,"
           f" checkpoint every {args.interval} steps of {args.step_s:g} s")  # fmt: skip
@@ -216,6 +223,8 @@ def _report(r: dict[str, float], args: argparse.Namespace) -> None:
           f"= {r['recovery'] / r['fresh']:.2f}x the fresh push")  # fmt: skip
     print(f"  the replacement's preparation:  {r['replaced_prep']:.2f} s (restore included)")
     print("  the survivor's preparation:     0.00 s (not prepared again) = 0% of a fresh node's")
+    for what, at in r["timeline"]:
+        print(f"    +{at:5.2f} s  {what}")
     print(f"training time lost to this fault: {r['since_checkpoint']:.2f} s redone since the "
           f"last checkpoint + {r['recovery']:.2f} s recovery")  # fmt: skip
     print(

@@ -11,6 +11,7 @@ the job's latest complete checkpoint on each rank that lacks it, and starts ever
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 POLL_S = 0.2
 DRAIN_POLL_S = 1.0  # how often the nodes are asked whether one is being preempted
 PEER_SETTLE_S = 1.0  # after a command fails, how long a peer's loss may take to be told
-STOP_GRACE_S = 10.0  # a fault's SIGTERM to SIGKILL, when no preemption deadline is nearer
+STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL: a stop's, a fault's without a preemption deadline
 NOTICE_SHARE = 2 / 3  # of a preemption notice, the commands' share; the rest is for uploads
 
 
@@ -82,9 +83,13 @@ class Attempts:
                 self.job.fail(decision.state, self._final_failure(end, decision))
                 return
             self._record_end(end.fault, f"retried: {decision.why}")
-            self._wind_down(end)
+            stopper = self._stop_attempt(end)
+            unsettled: tuple[AttemptEnd, threading.Thread] | None = (end, stopper)
+            if end.deadline:  # stored before the preempted node goes, then replaced
+                self._store_attempt(end, stopper)
+                unsettled = None
             number += 1
-            resumed = self._recover(end.fault, decision, number)
+            resumed = self._recover(end.fault, decision, number, unsettled)
 
     # --- one attempt -----------------------------------------------------------------------
 
@@ -165,13 +170,13 @@ class Attempts:
 
     # --- between attempts ------------------------------------------------------------------
 
-    def _wind_down(self, end: AttemptEnd) -> None:
-        """Every process of the attempt stopped, and its checkpoints stored, before anything
-        else: no rank of this attempt may write into the next one's checkpoints."""
+    def _stop_attempt(self, end: AttemptEnd) -> threading.Thread:
+        """Stop every rank's commands, in the background: a lost rank is replaced meanwhile.
+        On a preemption notice the SIGTERM goes out at once, with most of the notice to save."""
         job, fault = self.job, end.fault
         assert fault is not None
         job.say(f"attempt {len(job.status.attempts) - 1} ended: {fault.reason}")
-        grace, upload_s = STOP_GRACE_S, None
+        grace = STOP_GRACE_S
         if end.deadline:  # a preemption notice: the commands save, the uploader stores
             left = max(0.0, end.deadline - time.time())
             grace = max(1.0, left * NOTICE_SHARE)
@@ -179,27 +184,45 @@ class Attempts:
                 f"preemption notice: SIGTERM to every rank's commands now; they have "
                 f"{grace:.0f} s to save, the uploads until the node goes in {left:.0f} s"
             )
-        error = self.nodes.stop(grace)
-        if error:
-            job.say(f"stopping the commands: {error}")
+
+        def stop() -> None:
+            if error := self.nodes.stop(grace):
+                job.say(f"stopping the commands: {error}")
+
+        stopper = threading.Thread(target=stop, name="stop-attempt", daemon=True)
+        stopper.start()
+        return stopper
+
+    def _store_attempt(self, end: AttemptEnd, stopper: threading.Thread) -> None:
+        """Once every process of the attempt is gone, its checkpoints stored: no rank of this
+        attempt may write into the next one's."""
+        stopper.join()
         uploaders = self.nodes.uploaders
         if uploaders is None:
             return
         runs = self.nodes.runs
         for run in runs:
             run.done.wait(5.0)  # a stopped rank's result follows its exit closely
+        upload_s = uploaders.flush_timeout_s
         if end.deadline:
             upload_s = max(5.0, end.deadline - time.time())
         # A lost node's uploader went with it; a lost agent's (its node lives) still uploads.
         lost = {r.rank for r in runs if r.lost is not None}
-        if fault.kind == FaultKind.AGENT_LOST:
+        if end.fault is not None and end.fault.kind == FaultKind.AGENT_LOST:
             lost = set()
         endings = [run.ending(None) for run in runs]
-        job._say_lines(uploaders.end_attempt(endings, upload_s or uploaders.flush_timeout_s, lost))
+        self.job._say_lines(uploaders.end_attempt(endings, upload_s, lost))
 
-    def _recover(self, fault: Fault, decision: FailureDecision, number: int) -> str | None:
-        """Wait as the policy says, replace what was lost, restore the latest checkpoint; the
-        checkpoint the next attempt resumes from."""
+    def _recover(
+        self,
+        fault: Fault,
+        decision: FailureDecision,
+        number: int,
+        unsettled: tuple[AttemptEnd, threading.Thread] | None,
+    ) -> str | None:
+        """Wait as the policy says and replace what was lost while the last attempt stops;
+        once it is `unsettled` no more (its processes gone, its checkpoints stored) put every
+        rank at the resume point. The checkpoint the next attempt resumes from."""
         job = self.job
         ranks = self._to_replace(fault)
         what = f"rank(s) {', '.join(map(str, ranks))} placed again" if ranks else "a restart"
@@ -224,6 +247,8 @@ class Attempts:
             self._prepare_again(ranks, number)
         else:
             job.move(JobState.DEPLOYING, f"restarting every rank's commands (attempt {number})")
+        if unsettled is not None:
+            self._store_attempt(*unsettled)
         uploaders = self.nodes.uploaders
         if uploaders is None:
             return None

@@ -24,7 +24,7 @@ from orchestrator.agents.messages import (
 )
 from orchestrator.agents.secret_service import start_secret_service
 from orchestrator.agents.services import NAMESPACE
-from orchestrator.controller.attempts import Attempts, Unrecoverable
+from orchestrator.controller.attempts import STOP_GRACE_S, Attempts, Unrecoverable
 from orchestrator.controller.checkpointing import (
     CheckpointNotFound,
     RankEnding,
@@ -63,7 +63,6 @@ from orchestrator.storage.retry import ON_ERROR_ENV, StorageRetry
 __all__ = ["IMAGE_URI_ENV", "JobController", "run_controller", "use_image_uri"]
 
 POLL_S = 0.2
-STOP_GRACE_S = 10.0
 WRITE_BACK_S = 600.0
 STOP_FLUSH_S = 40.0  # within the 60 s RAY_JOB_STOP_WAIT_TIME_S, after the commands' grace
 RESULT_WAIT_S = 5.0  # for a stopped rank's result to come through its stream
