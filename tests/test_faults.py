@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -21,7 +20,7 @@ from pathlib import Path
 import fsspec
 import psutil
 import pytest
-from conftest import eventually, make_job
+from conftest import eventually, make_job, simulated_cluster
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors, list_placement_groups
 
@@ -29,7 +28,6 @@ from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV
 from orchestrator.client.api import get_job, push
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.overrides import Overrides
-from orchestrator.cluster.local import CLUSTER_ENV, embedded_env
 from orchestrator.lifecycle import JobState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,17 +87,9 @@ class FaultCluster:
 
 @pytest.fixture(scope="module")
 def faults(orchestrator_home, s3_server, tmp_path_factory) -> Iterator[FaultCluster]:
-    os.environ.update({**embedded_env(), **CLUSTER_ENV, "ORCHESTRATOR_PYTHON": sys.executable})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": True,
-                        "dashboard_host": "127.0.0.1", "dashboard_port": port},
-    )  # fmt: skip
+    cluster, dashboard_url = simulated_cluster()
     try:
-        fc = FaultCluster(cluster, f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("disks"))
+        fc = FaultCluster(cluster, dashboard_url, tmp_path_factory.mktemp("disks"))
         fc.ensure_workers(3)  # a 2-node job and a spare
         yield fc
     finally:

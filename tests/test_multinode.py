@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +18,7 @@ import fsspec
 import psutil
 import pytest
 import ray
-from conftest import make_job
+from conftest import make_job, simulated_cluster
 from ray.cluster_utils import Cluster
 
 from orchestrator.agents.cache_seeder import NODE_TRAINING_CACHE_DIR_ENV
@@ -28,7 +26,6 @@ from orchestrator.agents.node_cache import CLUSTER_CACHE_DIR_ENV, NODE_CACHE_DIR
 from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
-from orchestrator.cluster.local import CLUSTER_ENV, embedded_env
 from orchestrator.lifecycle import JobState
 
 WORKERS = 3
@@ -59,19 +56,10 @@ class GpuCluster:
 
 @pytest.fixture(scope="module")
 def gpu_cluster(orchestrator_home, s3_server, tmp_path_factory) -> Iterator[GpuCluster]:
-    # Not the embedded cluster, so the controller's interpreter is named explicitly.
-    os.environ.update({**embedded_env(), **CLUSTER_ENV, "ORCHESTRATOR_PYTHON": sys.executable})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": True,
-                        "dashboard_host": "127.0.0.1", "dashboard_port": port},
-    )  # fmt: skip
+    cluster, dashboard_url = simulated_cluster()
     try:
         disks = tmp_path_factory.mktemp("node-disks")
-        gpus = GpuCluster(cluster, f"http://127.0.0.1:{port}", disks)
+        gpus = GpuCluster(cluster, dashboard_url, disks)
         for _ in range(WORKERS):
             gpus.add_worker()
         yield gpus
