@@ -46,7 +46,10 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
         {JobState.PENDING, JobState.DEPLOYING, JobState.DEPLOY_FAILED, *_ENDINGS}
     ),
     JobState.PENDING: frozenset({JobState.DEPLOYING, JobState.DEPLOY_FAILED, *_ENDINGS}),
-    JobState.DEPLOYING: frozenset({JobState.RUNNING, JobState.DEPLOY_FAILED, *_ENDINGS}),
+    # DEPLOYING -> PENDING: a lost rank's replacement was lost too while being prepared.
+    JobState.DEPLOYING: frozenset(
+        {JobState.RUNNING, JobState.PENDING, JobState.DEPLOY_FAILED, *_ENDINGS}
+    ),
     JobState.RUNNING: frozenset(
         {JobState.COMPLETED, JobState.PENDING, JobState.PREEMPTED, *_ENDINGS}
     ),

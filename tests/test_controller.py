@@ -19,7 +19,7 @@ from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import store_job
 from orchestrator.controller.controller import JobController
 from orchestrator.controller.failure_policy import Fault, FaultKind
-from orchestrator.controller.node_group import NodeGroupError, RankRun
+from orchestrator.controller.node_group import NodeGroupError, NodeLostError, RankRun
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import CheckpointSummary, RetryPolicy
@@ -77,6 +77,7 @@ class FakeNodes:
         self.during_prepare = lambda: None
         self.requests: list[list] = []  # each attempt's StartRequests
         self.latest_checkpoint: str | None = None
+        self.replacements_lost = 0  # how many replacements die while being prepared
 
     def stored_state(self) -> str:
         return self.store.status(self.job_id).state.value
@@ -92,6 +93,9 @@ class FakeNodes:
 
     def prepare(self, request, check_stop, ranks=None) -> list[PreparedNode]:
         self.calls.append("prepare" if ranks is None else f"prepare {ranks}")
+        if ranks is not None and self.replacements_lost:
+            self.replacements_lost -= 1
+            raise NodeLostError("preparing the node failed: ActorDiedError: its node died")
         self.during_prepare()
         check_stop()
         return [
@@ -382,3 +386,26 @@ def test_a_stop_during_the_wait_between_attempts_is_stopped(job):
     assert outcome == [JobState.STOPPED]
     assert nodes.calls.count("start") == 1
     assert states(handle)[-2:] == ["PENDING", "STOPPED"]
+
+
+def test_a_replacement_lost_while_being_prepared_is_one_more_fault(job):
+    """The spare dies too: that attempt ends before its commands run, and the next one goes on
+    while retries last."""
+    controller, nodes, handle = job(retry=RetryPolicy(retries=2))
+    nodes.endings = [KEEP_RUNNING, KEEP_RUNNING]
+    nodes.lose = {0: 1}
+    nodes.later_endings = [[CommandsEnded(exit_code=0)] * 2]
+    nodes.replacements_lost = 1
+    assert controller.run() == JobState.COMPLETED
+    assert nodes.calls.count("replace [1]") == 2 and nodes.calls.count("start") == 2
+    attempts = handle.details().attempts
+    assert [(a.number, a.cause) for a in attempts] == [
+        (0, "node_lost"),
+        (1, "node_lost"),
+        (2, None),
+    ]
+    assert "lost again while being prepared" in attempts[1].reason
+    assert [r.env["BT_RETRY_COUNT"] for r in nodes.requests[1]] == ["2", "2"]
+    assert states(handle)[2:] == [
+        "RUNNING", "PENDING", "DEPLOYING", "PENDING", "DEPLOYING", "RUNNING", "COMPLETED",
+    ]  # fmt: skip

@@ -25,7 +25,7 @@ from orchestrator.controller.failure_policy import (
     Fault,
     FaultKind,
 )
-from orchestrator.controller.node_group import NodeGroup, NodeGroupError, RankRun
+from orchestrator.controller.node_group import NodeGroup, NodeGroupError, NodeLostError, RankRun
 from orchestrator.controller.weights import record_deliveries
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.secrets import SecretReference
@@ -65,8 +65,8 @@ class Attempts:
     def run(self) -> None:
         """Until an attempt completes, or a fault the policy does not retry."""
         number, resumed = 0, None
+        end = self._run_one(number, resumed)
         while True:
-            end = self._run_one(number, resumed)
             if end.fault is None and end.over_volume is None:
                 self._record_end(None, "completed")
                 self.job.complete()
@@ -89,7 +89,15 @@ class Attempts:
                 self._store_attempt(end, stopper)
                 unsettled = None
             number += 1
-            resumed = self._recover(end.fault, decision, number, unsettled)
+            try:
+                resumed = self._recover(end.fault, decision, number, unsettled)
+            except ReplacementLost as lost:  # attempt `number` ends before its commands ran
+                self._append(Attempt(number=number, started_at=time.time()))
+                end = AttemptEnd(
+                    lost.fault, Failure(cause=lost.fault.reason, node_rank=lost.fault.rank)
+                )
+                continue
+            end = self._run_one(number, resumed)
 
     # --- one attempt -----------------------------------------------------------------------
 
@@ -269,6 +277,10 @@ class Attempts:
         assert job.prepare_request is not None
         try:
             prepared = self.nodes.prepare(job.prepare_request, job._check_stop, ranks)
+        except NodeLostError as e:  # the replacement went too: a fault like any other
+            which = ", ".join(map(str, ranks))
+            why = f"rank(s) {which} lost again while being prepared ({e})"
+            raise ReplacementLost(Fault(FaultKind.NODE_LOST, why, ranks[0])) from None
         except NodeGroupError as e:
             raise Unrecoverable(str(e)) from None
         nodes = list(job.status.nodes)
@@ -280,6 +292,10 @@ class Attempts:
         job.status = job.status.model_copy(update={"nodes": nodes, "weights": weights})
 
     # --- records ---------------------------------------------------------------------------
+
+    def _append(self, attempt: Attempt) -> None:
+        job = self.job
+        job.status = job.status.model_copy(update={"attempts": [*job.status.attempts, attempt]})
 
     def _record_end(self, fault: Fault | None, decision: str) -> None:
         job = self.job
@@ -303,6 +319,14 @@ class Attempts:
         if len(causes) > 1:
             cause += f"; {len(causes)} attempts: " + "; ".join(causes)
         return failure.model_copy(update={"cause": cause, "attempts": causes})
+
+
+class ReplacementLost(Exception):
+    """A lost rank's replacement was lost while it was being prepared."""
+
+    def __init__(self, fault: Fault) -> None:
+        super().__init__(fault.reason)
+        self.fault = fault
 
 
 class Unrecoverable(Exception):

@@ -48,6 +48,10 @@ class NodeGroupError(Exception):
     """The nodes could not be placed or prepared; the message says why (for the job's cause)."""
 
 
+class NodeLostError(NodeGroupError):
+    """A rank's agent died (its node or its worker) while the node group asked it something."""
+
+
 @dataclass
 class RankRun:
     """One rank's commands as they run: how they ended, or how the rank was lost."""
@@ -300,7 +304,9 @@ class RayNodeGroup:
         try:
             prepared = ray.get(refs)
         except Exception as e:
-            raise NodeGroupError(f"preparing the node failed: {short_error(e)}") from e
+            lost = isinstance(e, ray.exceptions.RayActorError)  # its node or worker died
+            error = NodeLostError if lost else NodeGroupError
+            raise error(f"preparing the node failed: {short_error(e)}") from e
         self.node_ids.update({p.rank: p.node_id for p in prepared})
         return prepared
 
