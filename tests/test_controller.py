@@ -51,7 +51,7 @@ class FakeUploaders:
         self.nodes.calls.append(f"end attempt (lost {sorted(lost)})")
         return []
 
-    def begin_attempt(self, number: int) -> str | None:
+    def begin_attempt(self, number: int, check_stop) -> str | None:
         self.nodes.calls.append(f"begin attempt {number}")
         return self.nodes.latest_checkpoint
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator.agents.messages import StartRequest
+from orchestrator.controller.checkpointing import RestoreFailed
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.failure_policy import (
     Action,
@@ -261,7 +262,10 @@ class Attempts:
         if uploaders is None:
             return None
         uploaders.wait_ready()
-        resumed = uploaders.begin_attempt(number)
+        try:
+            resumed = uploaders.begin_attempt(number, job._check_stop)
+        except RestoreFailed as e:
+            raise Unrecoverable(str(e)) from None
         job._say_lines(uploaders.poll()[0])
         return resumed
 

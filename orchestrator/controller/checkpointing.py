@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -22,11 +23,15 @@ from orchestrator.storage.records import CheckpointEntry, CheckpointSummary, Job
 from orchestrator.storage.root import StorageRoot
 
 POLL_EVERY_S = 1.0
-RESTORE_TIMEOUT_S = 600.0  # fetching the latest checkpoint onto a replacement node
 
 
 class CheckpointNotFound(OrchestratorError):
     pass
+
+
+class RestoreFailed(OrchestratorError):
+    """A rank could not be put at the resume point (a download that failed its checksum, a
+    storage root gone): the retry cannot resume from where the job was."""
 
 
 def resolve_checkpoints(record: JobRecord, store: JobStore) -> list[Manifest]:
@@ -220,9 +225,10 @@ class Uploaders:
             self._earlier.update({entry.key: entry for entry in result.entries})
         return lines
 
-    def begin_attempt(self, number: int) -> str | None:
+    def begin_attempt(self, number: int, check_stop: Callable[[], None]) -> str | None:
         """Put every rank at the job's resume point (see `resume_point`) before attempt
-        `number`; the checkpoint's name, if the job has one."""
+        `number`, however long the restores take (a stop still ends it); the checkpoint's name,
+        if the job has one. RestoreFailed says which rank could not be put there, and why."""
         point = resume_point(self.store, self.project, self.job_id, len(self.actors))
         refs = [
             actor.begin_attempt.remote(
@@ -232,7 +238,16 @@ class Uploaders:
             )
             for rank, actor in enumerate(self.actors)
         ]
-        ray.get(refs, timeout=RESTORE_TIMEOUT_S)
+        pending = list(refs)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_EVERY_S)
+            check_stop()
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref)
+            except Exception as e:
+                what = f"restoring {point.name} on rank {rank}" if point.name else f"rank {rank}"
+                raise RestoreFailed(f"{what} before attempt {number} failed: {e}") from e
         return point.name
 
     def writer_ended(self, ending: RankEnding) -> None:
