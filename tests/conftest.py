@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -60,21 +61,45 @@ class S3Server:
     in an outage; moto keeps its buckets in this process across the restart."""
 
     def __init__(self) -> None:
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-        self._server.start()
+        self._connections: set[socket.socket] = set()
+        self._server = self._start(0)
         host, self.port = self._server.get_host_and_port()
         self.endpoint = f"http://{host}:{self.port}"
         self.is_up = True
 
+    def _start(self, port: int) -> ThreadedMotoServer:
+        """Started, noting each connection it accepts: an outage must drop them too."""
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+        server.start()
+        wsgi = server._server
+        accept = wsgi.process_request
+
+        def noted(request, client_address) -> None:
+            if len(self._connections) > 256:  # keep the open ones only
+                self._connections = {c for c in self._connections if c.fileno() != -1}
+            self._connections.add(request)
+            accept(request, client_address)
+
+        wsgi.process_request = noted
+        return server
+
     def down(self) -> None:
+        """Stop answering, close the port and drop every open connection: werkzeug's
+        shutdown alone leaves the port accepting and kept-alive connections served, so a
+        client with a pooled connection would never see the outage."""
         if self.is_up:
+            wsgi = self._server._server
             self._server.stop()
+            wsgi.server_close()
+            for connection in list(self._connections):
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
+            self._connections.clear()
             self.is_up = False
 
     def up(self) -> None:
         if not self.is_up:
-            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port)
-            self._server.start()
+            self._server = self._start(self.port)
             self.is_up = True
 
 
