@@ -33,9 +33,12 @@ from orchestrator.lifecycle import JobState
 REPO = Path(__file__).resolve().parents[1]
 
 # A trainer that resumes from the newest checkpoint in $BT_CHECKPOINT_DIR, saves one per step
-# (renamed into place), and on SIGTERM saves the step it is in and exits 143.
+# (renamed into place) and, on SIGTERM, saves the step it is in the way Hugging Face's Trainer
+# writes: the directory made first and filled file by file, then marked complete. (Its exit
+# code cannot say so: the stop's SIGTERM ends the `sh -c` around it, whose 143 is reported.)
 TRAIN = """
 import os, pathlib, signal, sys, time
+from orchestrator import mark_checkpoint_complete
 rank, attempt = os.environ["BT_NODE_RANK"], os.environ["BT_RETRY_COUNT"]
 ck = pathlib.Path(os.environ["BT_CHECKPOINT_DIR"])
 steps, step_s = int(sys.argv[1]), float(sys.argv[2])
@@ -52,14 +55,21 @@ for step in range(start + 1, steps + 1):
     until = time.time() + step_s
     while time.time() < until and not stop:
         time.sleep(0.05)
+    if stop:
+        saved = ck / f"checkpoint-{step}"
+        saved.mkdir()
+        for part in ("model", "optimizer"):
+            (saved / part).write_bytes(os.urandom(1 << 16))
+            time.sleep(0.3)
+        (saved / "state").write_text(str(step))
+        mark_checkpoint_complete(saved)
+        print(f"SIGTERM: saved checkpoint-{step}", flush=True)
+        sys.exit(0)
     tmp = ck / f".tmp-{step}"
     tmp.mkdir()
     (tmp / "state").write_text(str(step))
     os.rename(tmp, ck / f"checkpoint-{step}")
     print(f"step {step}", flush=True)
-    if stop:
-        print(f"SIGTERM: saved checkpoint-{step}", flush=True)
-        sys.exit(143)
 print("done", flush=True)
 """
 
@@ -186,6 +196,11 @@ def test_a_lost_node_is_replaced_and_the_job_resumes_from_its_checkpoint(
     assert rank0[0].endswith(f"resumes at {resumed}"), rank0
     # The survivor kept its unpacked code, and got its weights once.
     assert "unpacked for 0" in rank0[0] and status.nodes[0].prepared_for == 0
+    # Rank 1's restored copy was not uploaded again: its version is still the first.
+    restored = next(
+        m for m in job.checkpoints() if m.node_rank == 1 and m.name == second.resumed_from
+    )
+    assert restored.version == 1
     deliveries = sorted(d.rank for d in status.weights[0].nodes)
     assert deliveries == [0, 1, 1], deliveries  # rank 1's first node, then its replacement
     assert any("==== attempt 1 (BT_RETRY_COUNT=1) ====" in line for line in job.logs())
@@ -351,4 +366,7 @@ def test_the_ddp_recipe_loses_a_node_and_ends_with_the_uninterrupted_accuracy(st
     assert second.resumed_from is not None
     assert any(line.startswith("resumed from") for line in lines_of(job, 0)), lines_of(job, 0)
     assert final_accuracy(job) == final_accuracy(whole)
+    # Only rank 0 saves: the copy of its checkpoint restored on rank 1 is not stored as rank 1's.
+    assert {m.node_rank for m in job.checkpoints()} == {0}
+    assert any(e.state == "restored" for e in job.details().checkpoints.entries)
     assert_nothing_left(job, faults)

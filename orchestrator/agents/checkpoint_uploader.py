@@ -143,17 +143,14 @@ class CheckpointUploader:
         self, timeout: float | None = None, clean: bool = False, how: str = "the job ended"
     ) -> UploaderFlush:
         """Upload everything still local (the commands have ended) within `timeout` seconds;
-        what became of every name found, and the events."""
-        self.writer_ended(clean, how)
-        deadline = time.monotonic() + (timeout or self.settings.flush_timeout_s)
-        self.store.root.retry.give_up_at = deadline  # an upload waiting out an outage, too
+        what became of every name found, and the events. The watch ends."""
+        self.writer_ended(clean, how)  # before the watch's last scan can judge a settle
         self._stop.set()
         self._thread.join(timeout=5)
-        if self._started.is_set():  # else the job never got as far as its commands
-            self._scan(final=True, deadline=deadline)
+        result = self.end_attempt(timeout or self.settings.flush_timeout_s, clean, how)
         if self._renames is not None:
             self._renames.close()
-        return UploaderFlush(self._entries(), self.events)
+        return result
 
     def end_attempt(self, timeout: float, clean: bool, how: str) -> UploaderFlush:
         """An attempt's commands ended but the job goes on: upload what they left within
@@ -207,7 +204,7 @@ class CheckpointUploader:
                 continue
             if name in newer:
                 why = f"it is newer than {resume}, the last checkpoint every rank stored"
-            elif t.stored.complete is False if t.stored else t.ready is None:
+            elif not (t.stored.complete if t.stored is not None else t.ready is not None):
                 if t.seen is not None and not t.seen.files:
                     continue  # an empty directory made first: the trainer fills it later
                 stored = "stored as INCOMPLETE" if t.stored is not None else "not stored"

@@ -319,7 +319,7 @@ class Attempts:
         cause = failure.cause
         if end.fault.kind != FaultKind.COMMAND_FAILED or self.job.record.retry.retries:
             cause += f" ({decision.why})"  # why a fault that could be retried was not
-        causes = [f"attempt {a.number}: {a.reason}" for a in self.job.status.attempts if a.reason]
+        causes = attempt_causes(self.job.status.attempts)
         if len(causes) > 1:
             cause += f"; {len(causes)} attempts: " + "; ".join(causes)
         return failure.model_copy(update={"cause": cause, "attempts": causes})
@@ -335,6 +335,11 @@ class ReplacementLost(Exception):
 
 class Unrecoverable(Exception):
     """A retry could not replace what was lost (no room within the timeout, a failed prepare)."""
+
+
+def attempt_causes(attempts: list[Attempt]) -> list[str]:
+    """`attempt 0: rank 1's node ... was lost`, for each attempt that ended badly."""
+    return [f"attempt {a.number}: {a.reason}" for a in attempts if a.reason]
 
 
 def workdir(node: NodeInfo, config_dir: str) -> str:

@@ -219,9 +219,7 @@ class Uploaders:
             except Exception as e:
                 lines.append(f"[rank {rank}] [checkpoints] uploader unreachable: {e}")
                 continue
-            cursor = self._cursors[rank] if self._cursors[rank] <= len(result.events) else 0
-            lines += result.events[cursor:]
-            self._cursors[rank] = len(result.events)
+            lines += self._unread(rank, result.events)
             self._earlier.update({entry.key: entry for entry in result.entries})
         return lines
 
@@ -250,6 +248,12 @@ class Uploaders:
                 raise RestoreFailed(f"{what} before attempt {number} failed: {e}") from e
         return point.name
 
+    def _unread(self, rank: int, events: list[str]) -> list[str]:
+        """The events of `rank` not said yet (all of a restarted uploader's new list)."""
+        cursor = self._cursors[rank] if self._cursors[rank] <= len(events) else 0
+        self._cursors[rank] = len(events)
+        return events[cursor:]
+
     def writer_ended(self, ending: RankEnding) -> None:
         """Tell a rank's uploader at once that its commands ended (not waited for)."""
         self.actors[ending.rank].writer_ended.remote(ending.clean, ending.how, ending.at)
@@ -266,13 +270,13 @@ class Uploaders:
         lines: list[str] = []
         entries: list[CheckpointEntry] = []
         unreachable: dict[str, str] = {}
-        for rank, (ref, cursor) in enumerate(zip(refs, self._cursors, strict=True)):
+        for rank, ref in enumerate(refs):
             try:
                 result = ray.get(ref, timeout=timeout + 30)
             except Exception as e:
                 unreachable[f"rank-{rank}"] = f"uploader unreachable: {type(e).__name__}"
                 continue
-            lines += result.events[cursor if cursor <= len(result.events) else 0 :]
+            lines += self._unread(rank, result.events)
             entries += result.entries
         found = {e.key for e in entries}
         entries += [e for key, e in self._earlier.items() if key not in found]

@@ -24,7 +24,12 @@ from orchestrator.agents.messages import (
 )
 from orchestrator.agents.secret_service import start_secret_service
 from orchestrator.agents.services import NAMESPACE
-from orchestrator.controller.attempts import STOP_GRACE_S, Attempts, Unrecoverable
+from orchestrator.controller.attempts import (
+    STOP_GRACE_S,
+    Attempts,
+    Unrecoverable,
+    attempt_causes,
+)
 from orchestrator.controller.checkpointing import (
     CheckpointNotFound,
     RankEnding,
@@ -164,7 +169,7 @@ class JobController:
         except DeployFailed as e:
             self.move(JobState.DEPLOY_FAILED, e.failure.cause, failure=e.failure)
         except Unrecoverable as e:
-            causes = [f"attempt {a.number}: {a.reason}" for a in self.status.attempts if a.reason]
+            causes = attempt_causes(self.status.attempts)
             cause = f"the job could not be retried: {e}; " + "; ".join(causes)
             self._stop_agents()
             self._finish(JobState.FAILED, cause, failure=Failure(cause=cause, attempts=causes))

@@ -381,11 +381,16 @@ class RayNodeGroup:
         if alive:
             why = f"rank {run.rank}'s node agent died ({short_error(run.lost)}); its node lives"
             return Fault(FaultKind.AGENT_LOST, why, run.rank, node_id)
+        return self._node_gone(run.rank, node_id)
+
+    def _node_gone(self, rank: int, node_id: str) -> Fault:
+        """A rank's node is no longer alive: preempted if it was seen draining, else lost."""
         if node_id in self.drained:
-            why = f"rank {run.rank}'s node {node_id[:12]} was preempted and is gone"
-            return Fault(FaultKind.PREEMPTED, why, run.rank, node_id)
-        why = f"rank {run.rank}'s node {node_id[:12]} was lost"
-        return Fault(FaultKind.NODE_LOST, why, run.rank, node_id)
+            why = f"rank {rank}'s node {node_id[:12]} was preempted and is gone"
+            return Fault(FaultKind.PREEMPTED, why, rank, node_id)
+        return Fault(
+            FaultKind.NODE_LOST, f"rank {rank}'s node {node_id[:12]} was lost", rank, node_id
+        )
 
     def lost_elsewhere(self) -> Fault | None:
         lost = next((r for r in self.runs if r.done.is_set() and r.lost is not None), None)
@@ -398,11 +403,7 @@ class RayNodeGroup:
                 why = f"rank {rank}'s node {node_id[:12]} is being preempted"
                 return Fault(FaultKind.PREEMPTED, why, rank, node_id)
             if node_id not in alive:
-                kind = FaultKind.PREEMPTED if node_id in self.drained else FaultKind.NODE_LOST
-                why = f"rank {rank}'s node {node_id[:12]} was " + (
-                    "preempted" if kind == FaultKind.PREEMPTED else "lost"
-                )
-                return Fault(kind, why, rank, node_id)
+                return self._node_gone(rank, node_id)
         return None
 
     def replace(
