@@ -129,6 +129,11 @@ ON_STORAGE_ERROR = _setting("ON_STORAGE_ERROR", None, text, CLIENT)
 MAX_RETRIES = _setting("MAX_RETRIES", 0, count, CLIENT)
 MAX_PREEMPTIONS = _setting("MAX_PREEMPTIONS", 20, count, CLIENT)
 RETRY_DELAY_S = _setting("RETRY_DELAY_S", 10.0, seconds, CLIENT)
+# deploy_checkpoints: where Serve's HTTP proxy listens (used when it is first started on a
+# cluster) and how long a deployment may take to become ready.
+SERVE_HOST = _setting("SERVE_HOST", None, text, CLIENT)  # default: loopback on the embedded cluster
+SERVE_PORT = _setting("SERVE_PORT", 8000, whole_number, CLIENT)
+DEPLOY_TIMEOUT_S = _setting("DEPLOY_TIMEOUT_S", 900.0, positive_float, CLIENT)
 
 # --- the head node ------------------------------------------------------------------------------
 USE_IMAGE_URI = _setting("USE_IMAGE_URI", False, flag, HEAD)

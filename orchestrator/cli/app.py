@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from orchestrator.cli import (
+    cmd_deploy,
     cmd_download,
     cmd_init,
     cmd_isession,
@@ -23,6 +24,7 @@ from orchestrator.cli import (
 from orchestrator.cli.cmd_cache import cache_app
 from orchestrator.cli.cmd_checkpoints import checkpoints_app
 from orchestrator.cli.cmd_cluster import cluster_app
+from orchestrator.cli.cmd_deployments import deployments_app
 from orchestrator.cli.cmd_secrets import secrets_app
 from orchestrator.errors import ConfigError, OrchestratorError
 
@@ -44,10 +46,12 @@ app.command("download")(cmd_download.download)
 app.command("run")(cmd_run.run)
 app.command("shell")(cmd_shell.shell)
 app.command("isession")(cmd_isession.isession)
+app.command("deploy_checkpoints")(cmd_deploy.deploy_checkpoints)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(cache_app, name="cache")
 app.add_typer(secrets_app, name="secrets")
+app.add_typer(deployments_app, name="deployments")
 
 _stderr = Console(stderr=True)
 

@@ -22,6 +22,7 @@ from orchestrator.client.truss_compat import (
     is_truss_project,
 )
 from orchestrator.errors import ConfigError, PushWhileLoading
+from orchestrator.spec.deploy import DeployCheckpointsConfig
 from orchestrator.spec.training import TrainingProject
 from orchestrator.spec.validation import describe_validation_error
 
@@ -191,3 +192,25 @@ def _find_project(module: ModuleType, config_path: Path) -> object:
             "at module level"
         )
     return next(iter(found.values()))[0]
+
+
+def load_deploy_config(path: str | Path) -> DeployCheckpointsConfig:
+    """Run a deploy config file and return its one `DeployCheckpointsConfig`, validated."""
+    config_path = Path(path).expanduser().resolve()
+    if not config_path.is_file() or config_path.suffix != ".py":
+        raise ConfigError(f"{path} must point to a python file defining a DeployCheckpointsConfig")
+    module = _execute(config_path)
+    found = {id(v): v for v in vars(module).values() if isinstance(v, DeployCheckpointsConfig)}
+    if len(found) != 1:
+        raise ConfigError(
+            f"{config_path} defines {len(found)} DeployCheckpointsConfigs: keep exactly one at "
+            "module level, e.g. `deploy = DeployCheckpointsConfig(model_name=...)`"
+        )
+    config = next(iter(found.values()))
+    try:
+        return DeployCheckpointsConfig.model_validate(config.model_dump(warnings=False))
+    except ValidationError as e:
+        raise ConfigError(
+            "The DeployCheckpointsConfig is invalid:",
+            describe_validation_error(e, DeployCheckpointsConfig, ""),
+        ) from None

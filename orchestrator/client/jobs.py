@@ -158,6 +158,10 @@ class JobHandle:
         CheckpointStore(self._store.root).download(manifest, dest, progress=progress)
         return dest
 
+    def checkpoint_file(self, manifest: Manifest, path: str) -> bytes:
+        """One file of an uploaded checkpoint (e.g. its adapter_config.json)."""
+        return self._store.root.read_bytes(f"{manifest.files_dir}/{path}")
+
     def download_code(self, target: Path) -> Path:
         """The job's code archive, as pushed, unpacked into `target` (new or empty)."""
         if target.exists() and (not target.is_dir() or any(target.iterdir())):

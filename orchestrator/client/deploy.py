@@ -1,0 +1,346 @@
+"""`deploy_checkpoints` and the deployments it makes: Ray Serve applications, through the dashboard.
+
+Deploying goes through the same HTTP API as `serve deploy` (PUT /api/serve/applications/), so
+it works from a laptop against a remote cluster, and the dashboard's Serve page shows the result.
+That API takes the whole set of applications: the ones already running are sent back unchanged
+beside the new one, and stopping one sends the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from orchestrator import settings
+from orchestrator.client.api import get_job, latest_job
+from orchestrator.client.config_loader import load_deploy_config
+from orchestrator.client.connection import Connection, connect
+from orchestrator.client.jobs import JobHandle
+from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.serving.plan import (
+    TRANSFORMERS_IMPORT_PATH,
+    VLLM_IMPORT_PATH,
+    Chosen,
+    DeploymentPlan,
+    application,
+    plan_deployment,
+    serve_config,
+)
+from orchestrator.serving.served_model import ServedModel
+from orchestrator.spec.deploy import DeployCheckpointsConfig
+from orchestrator.storage.checkpoints import Manifest
+
+_OURS = (TRANSFORMERS_IMPORT_PATH, VLLM_IMPORT_PATH)
+_POLL_S = 0.5
+
+
+class DeployError(OrchestratorError):
+    """A deployment could not be made, or did not become ready."""
+
+
+@dataclass
+class Deployment:
+    """A served model: a Ray Serve application answering the OpenAI API under `url`."""
+
+    name: str
+    url: str  # the OpenAI base URL: http://host:port/<name>/v1
+    model_ids: list[str]
+    engine: str
+    checkpoints: list[str]  # <job>/rank-<r>/<name>
+    status: str = "NOT_STARTED"  # Serve's application status
+    message: str = ""
+    replicas: int = 0  # running
+    engine_reason: str = ""
+    serve_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    _connection: Connection | None = field(default=None, repr=False)
+
+    def refresh(self) -> Deployment:
+        found = get_deployment(self.name, connection=self._connection)
+        self.status, self.message, self.replicas = found.status, found.message, found.replicas
+        return self
+
+    def stop(self) -> None:
+        stop_deployment(self.name, connection=self._connection)
+
+    def as_dict(self) -> dict[str, Any]:
+        keys = ("name", "url", "model_ids", "engine", "checkpoints", "status", "message",
+                "replicas")  # fmt: skip
+        return {k: getattr(self, k) for k in keys}
+
+
+def deploy_checkpoints(
+    config: str | Path | DeployCheckpointsConfig | None = None,
+    *,
+    job_id: str | None = None,
+    checkpoints: list[str] | None = None,
+    model_name: str | None = None,
+    engine: str = "auto",
+    replace: bool = False,
+    dry_run: bool = False,
+    wait: bool = True,
+    timeout: float | None = None,
+    address: str | None = None,
+    storage_root: str | None = None,
+) -> Deployment:
+    """Serve checkpoints of a job as an OpenAI-compatible endpoint on the cluster.
+
+    `checkpoints`: names of the job's checkpoints (`latest` for the newest), default: the one
+    the job has, an error naming them if it has several. A config's `checkpoint_details` wins
+    over `job_id`/`checkpoints`. `dry_run` returns the deployment, with its `serve_config`,
+    without deploying. `wait`: return once it answers (within `timeout`, default
+    ORCHESTRATOR_DEPLOY_TIMEOUT_S).
+    """
+    plan = plan_from(config, job_id=job_id, checkpoints=checkpoints, model_name=model_name,
+                     engine=engine, storage_root=storage_root)  # fmt: skip
+    app = application(plan)
+    if dry_run:
+        host = settings.SERVE_HOST.get() or "0.0.0.0"
+        return _deployment(plan, serve_config([app], host, settings.SERVE_PORT.get()), "", None)
+    connection = connect(address)
+    client = _serve_client(connection)
+    details = _details(client)
+    running = _applications(details)
+    if plan.name in running and not replace:
+        raise DeployError(
+            f"a deployment named {plan.name!r} is already running: pick another model name "
+            "(--model-name), stop it (`orchestrator deployments stop "
+            f"{plan.name}`), or replace it (--replace)"
+        )
+    others = [a["deployed_app_config"] for n, a in running.items() if n != plan.name]
+    if any(c is None for c in others):
+        raise DeployError(
+            "Serve applications deployed with serve.run() are running on this cluster; Ray "
+            "Serve cannot deploy from a config beside them: shut them down first"
+        )
+    host, port = _http_options(details, connection)
+    config_sent = serve_config([*others, app], host, port)
+    try:
+        client.deploy_applications(config_sent)
+    except Exception as e:
+        raise DeployError(f"Ray Serve refused the deployment of {plan.name!r}: {e}") from e
+    url = _url(connection, port, plan.name)
+    deployment = _deployment(plan, serve_config([app], host, port), url, connection)
+    if wait:
+        _wait_ready(client, deployment, timeout or settings.DEPLOY_TIMEOUT_S.get())
+    return deployment
+
+
+def plan_from(
+    config: str | Path | DeployCheckpointsConfig | None,
+    *,
+    job_id: str | None = None,
+    checkpoints: list[str] | None = None,
+    model_name: str | None = None,
+    engine: str = "auto",
+    storage_root: str | None = None,
+) -> DeploymentPlan:
+    """What would be deployed: the config merged with the arguments, checkpoints read."""
+    if config is None:
+        cfg = DeployCheckpointsConfig()
+    elif isinstance(config, DeployCheckpointsConfig):
+        cfg = config
+    else:
+        cfg = load_deploy_config(config)
+    if model_name:
+        cfg = cfg.model_copy(update={"model_name": model_name})
+    details = cfg.checkpoint_details
+    if details and details.loops_checkpoint_ids:
+        raise ConfigError("loops checkpoints are Baseten's own; they cannot be served here")
+    if details and details.checkpoints:
+        chosen = []
+        for ckpt in details.checkpoints:
+            job = get_job(ckpt.training_job_id, storage_root=storage_root)
+            manifest = job.checkpoint(ckpt.checkpoint_name)
+            chosen.append(_chosen(job, manifest, ckpt.model_weight_format))
+        jobs = {c.job.job_id: get_job(c.job.job_id, storage_root=storage_root) for c in chosen}
+    else:
+        job = (
+            get_job(job_id, storage_root=storage_root)
+            if job_id
+            else latest_job(storage_root=storage_root)
+        )
+        chosen = [_chosen(job, m) for m in pick_checkpoints(job, checkpoints)]
+        jobs = {job.id: job}
+    fulls = [m for j in jobs.values() for m in servable(j) if m.checkpoint_type == "full"]
+    return plan_deployment(cfg, chosen, engine=engine, full_checkpoints=fulls)
+
+
+def servable(job: JobHandle) -> list[Manifest]:
+    """The job's complete checkpoints, one per name (rank 0's, else the lowest rank's), newest
+    first: what the wizard lists."""
+    by_name: dict[str, Manifest] = {}
+    for m in sorted(job.checkpoints(), key=lambda m: m.node_rank, reverse=True):
+        if m.complete:
+            by_name[m.name] = m
+    return sorted(by_name.values(), key=lambda m: m.created_at, reverse=True)
+
+
+def pick_checkpoints(job: JobHandle, names: list[str] | None) -> list[Manifest]:
+    available = servable(job)
+    if not available:
+        raise ConfigError(f"job {job.id} has no complete checkpoint to deploy")
+    if not names:
+        if len(available) == 1:
+            return available
+        raise ConfigError(
+            f"job {job.id} has {len(available)} checkpoints: choose with --checkpoint NAME "
+            f"(or 'latest'): {', '.join(m.name for m in available)}"
+        )
+    by_name = {m.name: m for m in available}
+    picked = []
+    for name in names:
+        if name == "latest":
+            picked.append(available[0])
+        elif name in by_name:
+            picked.append(by_name[name])
+        else:
+            raise ConfigError(
+                f"job {job.id} has no complete checkpoint named {name!r}; it has: "
+                f"{', '.join(by_name)}"
+            )
+    return list({m.name: m for m in picked}.values())
+
+
+def list_deployments(
+    *, address: str | None = None, connection: Connection | None = None
+) -> list[Deployment]:
+    """The deployments orchestrator made that Serve runs on the cluster, by name."""
+    connection = connection or connect(address)
+    details = _details(_serve_client(connection))
+    port = int((details.get("http_options") or {}).get("port") or settings.SERVE_PORT.get())
+    found = []
+    for name, app in sorted(_applications(details).items()):
+        config = app.get("deployed_app_config") or {}
+        if config.get("import_path") not in _OURS:
+            continue
+        model = ServedModel.model_validate(config["args"]["model"])
+        replicas = _running_replicas(app)
+        found.append(Deployment(
+            name=name, url=_url(connection, port, name), model_ids=model.model_ids(),
+            engine=model.engine, checkpoints=[c.key for c in model.checkpoints],
+            status=app.get("status", ""), message=app.get("message") or "", replicas=replicas,
+            serve_config=config, _connection=connection,
+        ))  # fmt: skip
+    return found
+
+
+def get_deployment(
+    name: str, *, address: str | None = None, connection: Connection | None = None
+) -> Deployment:
+    for d in list_deployments(address=address, connection=connection):
+        if d.name == name:
+            return d
+    raise DeployError(f"no deployment named {name!r} (see `orchestrator deployments list`)")
+
+
+def stop_deployment(
+    name: str, *, address: str | None = None, connection: Connection | None = None
+) -> None:
+    """Delete the Serve application; Serve itself too when nothing else runs on it, so no
+    controller, proxy or placement group is left behind."""
+    connection = connection or connect(address)
+    client = _serve_client(connection)
+    details = _details(client)
+    running = _applications(details)
+    get_deployment(name, connection=connection)  # ours, and there
+    rest = [a["deployed_app_config"] for n, a in running.items() if n != name]
+    if not rest:
+        client.delete_applications()
+    else:
+        host, port = _http_options(details, connection)
+        client.deploy_applications(serve_config(rest, host, port))
+    deadline = time.monotonic() + 120
+    while name in _applications(_details(client)):
+        if time.monotonic() > deadline:
+            raise DeployError(f"deployment {name!r} was asked to stop but is still there")
+        time.sleep(_POLL_S)
+
+
+# -- Serve's REST API -----------------------------------------------------------------------
+
+
+def _serve_client(connection: Connection) -> Any:
+    connection.client()  # the environment a client of this cluster needs
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    return ServeSubmissionClient(connection.address)
+
+
+def _details(client: Any) -> dict[str, Any]:
+    try:
+        return client.get_serve_details()
+    except Exception as e:
+        raise DeployError(f"could not read Ray Serve's state from the dashboard: {e}") from e
+
+
+def _applications(details: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return dict(details.get("applications") or {})
+
+
+def _running_replicas(app: dict[str, Any]) -> int:
+    deployments = (app.get("deployments") or {}).values()
+    return sum(1 for d in deployments for r in d.get("replicas") or [] if r["state"] == "RUNNING")
+
+
+def _http_options(details: dict[str, Any], connection: Connection) -> tuple[str, int]:
+    """Serve's own when it runs (it keeps them), else ours."""
+    running = details.get("http_options") or {}
+    if details.get("controller_info", {}).get("node_id") and running.get("port"):
+        return str(running["host"]), int(running["port"])
+    default_host = "127.0.0.1" if connection.embedded else "0.0.0.0"
+    return settings.SERVE_HOST.get() or default_host, settings.SERVE_PORT.get()
+
+
+def _url(connection: Connection, port: int, name: str) -> str:
+    host = urlsplit(connection.address).hostname or "127.0.0.1"
+    return f"http://{host}:{port}/{name}/v1"
+
+
+def _deployment(
+    plan: DeploymentPlan, config: dict[str, Any], url: str, connection: Connection | None
+) -> Deployment:
+    model = plan.model
+    return Deployment(
+        name=model.name, url=url, model_ids=model.model_ids(), engine=model.engine,
+        checkpoints=[c.key for c in model.checkpoints], engine_reason=plan.engine_reason,
+        serve_config=config, _connection=connection,
+    )  # fmt: skip
+
+
+def _wait_ready(client: Any, deployment: Deployment, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        app = _applications(_details(client)).get(deployment.name) or {}
+        deployment.status, deployment.message = app.get("status", ""), app.get("message") or ""
+        if deployment.status == "RUNNING":
+            deployment.replicas = _running_replicas(app)
+            return
+        if deployment.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise DeployError(
+                f"deployment {deployment.name!r} is {deployment.status}: "
+                f"{_last_lines(deployment.message)}"
+            )
+        if time.monotonic() > deadline:
+            raise DeployError(
+                f"deployment {deployment.name!r} is not ready after {timeout:.0f} s "
+                f"({deployment.status or 'not started'}); it is left running: see "
+                "`orchestrator deployments list` and the dashboard's Serve page"
+            )
+        time.sleep(_POLL_S)
+
+
+def _last_lines(message: str, count: int = 8) -> str:
+    lines = [ln for ln in message.strip().splitlines() if ln.strip()]
+    return "\n".join(lines[-count:]) or "(Serve gave no reason)"
+
+
+def _chosen(job: JobHandle, manifest: Manifest, requested: Any = None) -> Chosen:
+    adapter = None
+    if any(f.path == "adapter_config.json" for f in manifest.files):
+        adapter = json.loads(job.checkpoint_file(manifest, "adapter_config.json"))
+    return Chosen(manifest=manifest, job=job.record, adapter_config=adapter,
+                  requested_format=requested)  # fmt: skip

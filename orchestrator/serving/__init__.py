@@ -1,0 +1,1 @@
+"""Serving trained checkpoints: Ray Serve applications behind an OpenAI-compatible API."""

@@ -1,0 +1,108 @@
+"""The vLLM engine: a Ray Serve LLM application (`ray.serve.llm.build_openai_app`) for GPU nodes.
+
+Installed with `pip install 'orchestrator[vllm]'` on the serving nodes. Ray Serve LLM loads a
+model from a Hugging Face id, a local path or an s3:// / gs:// prefix, and LoRA adapters from
+`<dynamic_lora_loading_path>/<adapter>/` on object storage only; adapters are copied there from
+the storage root (`serving/<app>/adapters/`) when the application is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.errors import UnsupportedFeatureError
+from orchestrator.serving.plan import max_lora_rank
+from orchestrator.serving.served_model import BaseModelSource, ServedModel, StoredCheckpoint
+from orchestrator.spec.training import Compute
+from orchestrator.storage.checkpoints import CheckpointStore
+from orchestrator.storage.root import StorageRoot
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """`import_path` target of the Serve config: the OpenAI app Ray Serve LLM builds."""
+    try:
+        from ray.serve.llm import build_openai_app
+    except ImportError as e:
+        raise UnsupportedFeatureError(
+            f"the vllm engine needs vLLM on the serving nodes ({e}): "
+            "pip install 'orchestrator[vllm]' there, or deploy with --engine transformers"
+        ) from e
+    model = ServedModel.model_validate(args["model"])
+    compute = Compute.model_validate(args["compute"]) if args.get("compute") else None
+    return build_openai_app({"llm_configs": [llm_config(model, compute, publish=True)]})
+
+
+def llm_config(model: ServedModel, compute: Compute | None, publish: bool = False) -> dict:
+    """Ray Serve LLM's `LLMConfig` (as a dict) for the model; `publish` copies the adapters to
+    where Ray Serve LLM loads them from."""
+    root = StorageRoot(model.storage_root)
+    engine_kwargs: dict[str, Any] = {}
+    config: dict[str, Any] = {
+        "model_loading_config": {"model_id": model.name, "model_source": _source(root, model)},
+        "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+        "engine_kwargs": engine_kwargs,
+        "runtime_env": {"env_vars": dict(model.env)} if model.env else None,
+    }
+    if compute is not None and compute.gpus_per_node:
+        assert compute.accelerator is not None and compute.accelerator.accelerator is not None
+        config["accelerator_type"] = compute.accelerator.accelerator.value
+        engine_kwargs["tensor_parallel_size"] = compute.gpus_per_node
+    if model.adapters:
+        if root.is_local:
+            raise UnsupportedFeatureError(
+                "the vllm engine loads LoRA adapters from s3:// or gs:// only, and the storage "
+                f"root is {root.url}: use a storage root on object storage, or --engine "
+                "transformers"
+            )
+        prefix = f"serving/{model.name}/adapters"
+        if publish:
+            for name, ckpt in model.adapters.items():
+                _copy_checkpoint(root, ckpt, f"{prefix}/{name}")
+        config["lora_config"] = {
+            "dynamic_lora_loading_path": f"{root.url}/{prefix}",
+            "max_num_adapters_per_replica": len(model.adapters),
+        }
+        engine_kwargs.update(
+            enable_lora=True,
+            max_lora_rank=max_lora_rank(list(model.adapters.values())),
+            max_loras=len(model.adapters),
+        )
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def _source(root: StorageRoot, model: ServedModel) -> str | dict[str, str]:
+    if model.full is not None:
+        return _checkpoint_source(root, model.full)
+    base = model.base
+    assert base is not None
+    return _base_source(root, base)
+
+
+def _base_source(root: StorageRoot, base: BaseModelSource) -> str | dict[str, str]:
+    if base.checkpoint is not None:
+        return _checkpoint_source(root, base.checkpoint)
+    if base.weights is not None:
+        source = str(base.weights["source"])
+        if source.startswith("hf://"):
+            return source.removeprefix("hf://").split("@", 1)[0]
+        if source.startswith(("s3://", "gs://")):
+            return {"bucket_uri": source}
+        raise UnsupportedFeatureError(f"the vllm engine cannot load a base model from {source}")
+    return base.path or str(base.hf_repo)
+
+
+def _checkpoint_source(root: StorageRoot, ckpt: StoredCheckpoint) -> str | dict[str, str]:
+    manifest = CheckpointStore(root).manifest(ckpt.project_id, ckpt.job_id, ckpt.rank, ckpt.name)
+    if manifest is None:
+        raise UnsupportedFeatureError(f"checkpoint {ckpt.key} is not in {root.url}")
+    if root.is_local:
+        return root.path(manifest.files_dir)  # one machine, or a filesystem every node shares
+    return {"bucket_uri": f"{root.url}/{manifest.files_dir}"}
+
+
+def _copy_checkpoint(root: StorageRoot, ckpt: StoredCheckpoint, rel: str) -> None:
+    manifest = CheckpointStore(root).manifest(ckpt.project_id, ckpt.job_id, ckpt.rank, ckpt.name)
+    if manifest is None:
+        raise UnsupportedFeatureError(f"checkpoint {ckpt.key} is not in {root.url}")
+    for f in manifest.files:
+        root.write_bytes(f"{rel}/{f.path}", root.read_bytes(f"{manifest.files_dir}/{f.path}"))
