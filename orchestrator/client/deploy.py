@@ -222,7 +222,7 @@ def list_deployments(
         found.append(Deployment(
             name=name, url=_url(connection, port, name), model_ids=model.model_ids(),
             engine=model.engine, checkpoints=[c.key for c in model.checkpoints],
-            status=app.get("status", ""), message=app.get("message") or "", replicas=replicas,
+            status=app.get("status", ""), message=_message(app), replicas=replicas,
             serve_config=config, _connection=connection,
         ))  # fmt: skip
     return found
@@ -315,7 +315,7 @@ def _wait_ready(client: Any, deployment: Deployment, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         app = _applications(_details(client)).get(deployment.name) or {}
-        deployment.status, deployment.message = app.get("status", ""), app.get("message") or ""
+        deployment.status, deployment.message = app.get("status", ""), _message(app)
         if deployment.status == "RUNNING":
             deployment.replicas = _running_replicas(app)
             return
@@ -331,6 +331,15 @@ def _wait_ready(client: Any, deployment: Deployment, timeout: float) -> None:
                 "`orchestrator deployments list` and the dashboard's Serve page"
             )
         time.sleep(_POLL_S)
+
+
+def _message(app: dict[str, Any]) -> str:
+    """The application's message, with its deployments' (where a replica's error is)."""
+    parts = [app.get("message") or ""]
+    for d in (app.get("deployments") or {}).values():
+        if d.get("message"):
+            parts.append(str(d["message"]))
+    return "\n".join(p for p in parts if p)
 
 
 def _last_lines(message: str, count: int = 8) -> str:

@@ -1,0 +1,202 @@
+"""deploy_checkpoints end to end: the tiny-lora recipe trains on the embedded Ray, its checkpoints
+are served by real Ray Serve applications, and the official `openai` client calls them.
+
+The oracle is the same weights loaded here with transformers (and peft): greedy decoding is
+deterministic, so the endpoint must give exactly what the checkpoint gives in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE
+from ray.serve.schema import ServeDeploySchema
+from ray.util.state import list_actors
+
+from orchestrator.client.api import push
+from orchestrator.client.deploy import DeployError, deploy_checkpoints, list_deployments
+from orchestrator.client.jobs import JobHandle
+from orchestrator.lifecycle import JobState
+from orchestrator.spec.deploy import DeployCheckpointsConfig, DeployCheckpointsRuntime
+from orchestrator.spec.secrets import SecretReference
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-lora"
+PROMPT = "the dog"  # the full fine-tune and the adapter continue it differently
+
+
+@pytest.fixture(scope="module")
+def trained(ray_cluster, tmp_path_factory) -> Iterator[tuple[JobHandle, str, Path]]:
+    """The recipe's job (checkpoint-0, checkpoint-30, lora-checkpoint-30), a Serve port of
+    its own, and every deployment stopped at the end."""
+    storage_root = str(tmp_path_factory.mktemp("deploy-storage"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["ORCHESTRATOR_SERVE_PORT"] = str(port)
+    job = push(RECIPE / "config.py", storage_root=storage_root)
+    assert job.wait(timeout=240) == JobState.COMPLETED, job.logs()[-20:]
+    local = tmp_path_factory.mktemp("deploy-checkpoints")
+    for m in job.checkpoints():
+        job.download_checkpoint(m, local / m.name)
+    try:
+        yield job, storage_root, local
+    finally:
+        for d in list_deployments():
+            d.stop()
+        os.environ.pop("ORCHESTRATOR_SERVE_PORT", None)
+
+
+def greedy(model_dir: Path, prompt: str, max_tokens: int, adapter: Path | None = None) -> str:
+    """What the weights give loaded directly: the oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+
+
+def test_a_full_checkpoint_answers_as_its_weights_do(trained, ray_cluster):
+    job, storage_root, local = trained
+    secret = SecretReference(name=NODE_SECRET_NAME)
+    config = DeployCheckpointsConfig(
+        model_name="tiny-full",
+        runtime=DeployCheckpointsRuntime(environment_variables={"HF_TOKEN": secret}),
+    )
+    deployment = deploy_checkpoints(
+        config, job_id=job.id, checkpoints=["checkpoint-30"], storage_root=storage_root
+    )
+    assert deployment.status == "RUNNING" and deployment.model_ids == ["tiny-full"]
+    client = openai.OpenAI(base_url=deployment.url, api_key="unused", max_retries=0)
+
+    done = client.completions.create(model="tiny-full", prompt=PROMPT, max_tokens=12,
+                                     temperature=0)  # fmt: skip
+    assert done.choices[0].text == greedy(local / "checkpoint-30", PROMPT, 12)
+    assert done.usage is not None and done.usage.completion_tokens == 12
+
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(model="tiny-full", messages=messages, max_tokens=10,
+                                          temperature=0)  # fmt: skip
+    text = chat.choices[0].message.content
+    assert text, "the chat template rendered and the model answered"
+    stream = client.chat.completions.create(model="tiny-full", messages=messages, max_tokens=10,
+                                            temperature=0, stream=True)  # fmt: skip
+    pieces = [c.choices[0].delta.content for c in stream if c.choices[0].delta.content]
+    assert len(pieces) > 1, "a stream arrives in pieces"
+    assert "".join(pieces) == text
+
+    with pytest.raises(openai.NotFoundError, match="tiny-full"):
+        client.completions.create(model="tiny-lora", prompt=PROMPT, max_tokens=2)
+
+    # The secret was resolved on the serving node; the dashboard's Serve config names it only.
+    shown = json.dumps(_serve_details(ray_cluster.dashboard_url))
+    assert NODE_SECRET_NAME in shown and NODE_SECRET_VALUE not in shown
+
+
+def test_lora_adapter_and_its_base_are_served_side_by_side(trained):
+    job, storage_root, local = trained
+    run = cli("deploy_checkpoints", "--job-id", job.id, "--checkpoint", "lora-checkpoint-30",
+              "--non-interactive", "--storage-root", storage_root, "-o", "json")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "engine: transformers" in run.stderr  # the choice and its reason are said
+    deployment = json.loads(run.stdout)
+    # The adapter's base is the job's own checkpoint-0 (a path on the training node, mapped
+    # back to the stored checkpoint); the model is named after the project.
+    assert deployment["model_ids"] == ["tiny-lora", "tiny-lora:lora-checkpoint-30"]
+    client = openai.OpenAI(base_url=deployment["url"], api_key="unused", max_retries=0)
+
+    def complete(model: str) -> str:
+        done = client.completions.create(model=model, prompt=PROMPT, max_tokens=12,
+                                         temperature=0)  # fmt: skip
+        return done.choices[0].text
+
+    base, adapted = complete("tiny-lora"), complete("tiny-lora:lora-checkpoint-30")
+    assert base == greedy(local / "checkpoint-0", PROMPT, 12)
+    assert adapted == greedy(local / "checkpoint-0", PROMPT, 12, local / "lora-checkpoint-30")
+    assert adapted != base
+    assert complete("tiny-lora") == base  # the adapter left nothing behind on the base
+
+
+def test_deployments_are_listed_and_stopping_leaves_nothing(trained, ray_cluster):
+    listed = cli("deployments", "list", "-o", "json")
+    assert listed.returncode == 0, listed.stderr
+    by_name = {d["name"]: d for d in json.loads(listed.stdout)}
+    assert set(by_name) == {"tiny-full", "tiny-lora"}
+    job = trained[0]
+    assert by_name["tiny-lora"]["checkpoints"] == [
+        f"{job.id}/rank-0/checkpoint-0", f"{job.id}/rank-0/lora-checkpoint-30"
+    ]  # fmt: skip
+    assert all(d["status"] == "RUNNING" and d["replicas"] == 1 for d in by_name.values())
+
+    for name in ("tiny-full", "tiny-lora"):
+        stopped = cli("deployments", "stop", name)
+        assert stopped.returncode == 0, stopped.stderr
+    assert json.loads(cli("deployments", "list", "-o", "json").stdout) == []
+    alive = list_actors(address=ray_cluster.dashboard_url, filters=[("state", "=", "ALIVE")])
+    serve_actors = [a.class_name for a in alive if "Serve" in a.class_name or "Proxy" in
+                    a.class_name or "TransformersServer" in a.class_name]  # fmt: skip
+    assert serve_actors == []
+
+
+def test_a_secret_the_nodes_do_not_have_fails_the_deployment_naming_it(trained):
+    job, storage_root, _ = trained
+    config = DeployCheckpointsConfig(
+        model_name="no-secret",
+        runtime=DeployCheckpointsRuntime(
+            environment_variables={"HF_TOKEN": SecretReference(name="never_set_anywhere")}
+        ),
+    )
+    try:
+        with pytest.raises(DeployError, match="never_set_anywhere"):
+            deploy_checkpoints(config, job_id=job.id, checkpoints=["checkpoint-30"],
+                               storage_root=storage_root, timeout=120)  # fmt: skip
+    finally:
+        for d in list_deployments():
+            d.stop()
+
+
+def test_dry_run_prints_a_serve_config_and_deploys_nothing(trained):
+    job, storage_root, _ = trained
+    several = cli("deploy_checkpoints", "--job-id", job.id, "--non-interactive", "--dry-run",
+                  "--storage-root", storage_root)  # fmt: skip
+    assert several.returncode == 1 and "--checkpoint" in several.stderr  # never a prompt
+
+    run = cli("deploy_checkpoints", "--job-id", job.id, "--checkpoint", "lora-checkpoint-30",
+              "--model-name", "dry", "--dry-run", "--storage-root", storage_root)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    config = ServeDeploySchema.model_validate(yaml.safe_load(run.stdout))
+    (app,) = config.applications
+    assert app.name == "dry" and app.route_prefix == "/dry"
+    assert app.import_path == "orchestrator.serving.transformers_server:build_app"
+    assert app.args["model"]["adapters"]["lora-checkpoint-30"]["job_id"] == job.id
+    assert [d.name for d in list_deployments()] == []
+
+
+def _serve_details(dashboard_url: str) -> dict:
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    return ServeSubmissionClient(dashboard_url).get_serve_details()
