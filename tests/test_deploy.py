@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import openai
+import pexpect
 import pytest
 import yaml
 from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE
@@ -23,7 +24,12 @@ from ray.serve.schema import ServeDeploySchema
 from ray.util.state import list_actors
 
 from orchestrator.client.api import push
-from orchestrator.client.deploy import DeployError, deploy_checkpoints, list_deployments
+from orchestrator.client.deploy import (
+    DeployError,
+    deploy_checkpoints,
+    list_deployments,
+    servable,
+)
 from orchestrator.client.jobs import JobHandle
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.deploy import DeployCheckpointsConfig, DeployCheckpointsRuntime
@@ -194,6 +200,28 @@ def test_dry_run_prints_a_serve_config_and_deploys_nothing(trained):
     assert app.import_path == "orchestrator.serving.transformers_server:build_app"
     assert app.args["model"]["adapters"]["lora-checkpoint-30"]["job_id"] == job.id
     assert [d.name for d in list_deployments()] == []
+
+
+def test_the_wizard_lists_checkpoints_latest_first_and_asks_for_a_name(trained):
+    job, storage_root, _ = trained
+    wizard = pexpect.spawn(
+        sys.executable, ["-m", "orchestrator", "deploy_checkpoints", "--job-id", job.id,
+                         "--dry-run", "--storage-root", storage_root],
+        env={**os.environ, "COLUMNS": "200"}, encoding="utf-8", timeout=60,
+    )  # fmt: skip
+    wizard.expect("Checkpoints to deploy")
+    rows = [line.split("│") for line in wizard.before.splitlines() if line.count("│") > 3]
+    listed = [row[2].strip() for row in rows if row[1].strip().isdigit()]
+    newest_first = sorted(servable(job), key=lambda m: m.created_at, reverse=True)
+    assert listed == [m.name for m in newest_first]
+    wizard.sendline("lora-checkpoint-30")
+    wizard.expect("Model name")
+    wizard.expect(r"\(tiny-lora\)")  # the default: the base model's name
+    wizard.sendline("wiz")
+    wizard.expect(pexpect.EOF)
+    wizard.close()
+    assert wizard.exitstatus == 0, wizard.before
+    assert "name: wiz" in wizard.before and "route_prefix: /wiz" in wizard.before
 
 
 def _serve_details(dashboard_url: str) -> dict:
