@@ -21,7 +21,7 @@ import pytest
 import yaml
 from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE
 from ray.serve.schema import ServeDeploySchema
-from ray.util.state import list_actors
+from ray.util.state import list_actors, list_placement_groups
 
 from orchestrator.client.api import push
 from orchestrator.client.deploy import (
@@ -166,6 +166,9 @@ def test_deployments_are_listed_and_stopping_leaves_nothing(trained, ray_cluster
     serve_actors = [a.class_name for a in alive if "Serve" in a.class_name or "Proxy" in
                     a.class_name or "TransformersServer" in a.class_name]  # fmt: skip
     assert serve_actors == []
+    placed = list_placement_groups(address=ray_cluster.dashboard_url, detail=True)
+    assert [pg.name for pg in placed if pg.state == "CREATED" and
+            not pg.name.startswith("orchestrator-")] == []  # fmt: skip
 
 
 def test_a_secret_the_nodes_do_not_have_fails_the_deployment_naming_it(trained):
@@ -189,7 +192,7 @@ def test_dry_run_prints_a_serve_config_and_deploys_nothing(trained):
     job, storage_root, _ = trained
     several = cli("deploy_checkpoints", "--job-id", job.id, "--non-interactive", "--dry-run",
                   "--storage-root", storage_root)  # fmt: skip
-    assert several.returncode == 1 and "--checkpoint" in several.stderr  # never a prompt
+    assert several.returncode == 2 and "--checkpoint" in several.stderr  # never a prompt
 
     run = cli("deploy_checkpoints", "--job-id", job.id, "--checkpoint", "lora-checkpoint-30",
               "--model-name", "dry", "--dry-run", "--storage-root", storage_root)  # fmt: skip
