@@ -67,8 +67,8 @@ class Deployment:
         stop_deployment(self.name, connection=self._connection)
 
     def as_dict(self) -> dict[str, Any]:
-        keys = ("name", "url", "model_ids", "engine", "checkpoints", "status", "message",
-                "replicas")  # fmt: skip
+        keys = ("name", "url", "model_ids", "engine", "engine_reason", "checkpoints", "status",
+                "message", "replicas")  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 
 
@@ -322,7 +322,8 @@ def _wait_ready(client: Any, deployment: Deployment, timeout: float) -> None:
         if deployment.status in ("DEPLOY_FAILED", "UNHEALTHY"):
             raise DeployError(
                 f"deployment {deployment.name!r} is {deployment.status}: "
-                f"{_last_lines(deployment.message)}"
+                f"{_cause(deployment.message)} (it stays listed until `orchestrator deployments "
+                f"stop {deployment.name}`)"
             )
         if time.monotonic() > deadline:
             raise DeployError(
@@ -342,9 +343,13 @@ def _message(app: dict[str, Any]) -> str:
     return "\n".join(p for p in parts if p)
 
 
-def _last_lines(message: str, count: int = 8) -> str:
-    lines = [ln for ln in message.strip().splitlines() if ln.strip()]
-    return "\n".join(lines[-count:]) or "(Serve gave no reason)"
+def _cause(message: str) -> str:
+    """The error at the end of a replica's traceback, without its module path."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "Serve gave no reason"
+    name, sep, rest = lines[-1].partition(": ")
+    return f"{name.rsplit('.', 1)[-1]}: {rest}" if sep and " " not in name else lines[-1]
 
 
 def _chosen(job: JobHandle, manifest: Manifest, requested: Any = None) -> Chosen:

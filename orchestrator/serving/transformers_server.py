@@ -29,7 +29,7 @@ openai_api.install_error_handlers(api)
     max_ongoing_requests=16,  # requests queue in the engine, one generation at a time
     health_check_period_s=10,
     # A missing secret or checkpoint fails every try alike (storage reads retry on their own).
-    max_constructor_retry_count=3,
+    max_constructor_retry_count=1,
 )
 @serve.ingress(api)
 class TransformersServer:
