@@ -69,7 +69,7 @@ def snapshot(
         else:
             running.append(RunningJob(
                 e.job_id, e.team, e.priority, e.admitted_at or e.pushed_at, demand,
-                tuple(e.placed_on), e.borrowed, leaving=e.preempted_by is not None,
+                tuple(e.placed_on), e.borrowed, leaving=e.preemption is not None,
             ))  # fmt: skip
     return ClusterSnapshot(queued, running, _less_ours(nodes, running), quotas, now, autoscaling)
 

@@ -38,7 +38,7 @@ class QueueEntry(BaseModel):
     placed_on: list[str] = Field(default_factory=list)  # admitted: the node of each bundle
     borrowed: bool = False
     admitted_at: float | None = None
-    preempted_by: str | None = None  # asked to leave for this job
+    preemption: str | None = None  # asked to leave: "preempted by <job>: <why>"
 
 
 class QueueStore:

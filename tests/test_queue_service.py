@@ -1,0 +1,64 @@
+"""The queue service actor on the session's local cluster: admits what fits at once, says why
+the rest waits, and, killed and started again, rebuilds the same queue from the storage root."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from orchestrator.agents.secret_service import NAMESPACE
+from orchestrator.cluster.local import LocalClusterInfo, embedded_env
+from orchestrator.scheduler.service import QUEUE_SERVICE_NAME, start_queue_service
+from orchestrator.storage.queue_store import QueueEntry
+
+
+@pytest.fixture
+def driver(ray_cluster: LocalClusterInfo, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for key, value in embedded_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    ray.init(address=ray_cluster.gcs_address, namespace="queue-service-test", log_to_driver=False)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE))
+        ray.shutdown()
+
+
+def entry(job_id: str, cpus: float, at: float) -> dict:
+    return QueueEntry(job_id=job_id, team="t", pushed_at=at, bundle={"CPU": cpus}).model_dump()
+
+
+def test_a_killed_service_comes_back_with_the_same_queue(driver, tmp_path):
+    cpus = max(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
+    root = str(tmp_path / "root")
+    service = start_queue_service(root)
+    first = ray.get(service.enqueue.remote(entry("a", 1, 1.0)))
+    assert first["state"] == "admitted" and len(first["placed_on"]) == 1  # at once
+    waiting = ray.get(service.enqueue.remote(entry("c", cpus, 2.0)))
+    assert waiting["state"] == "queued" and waiting["position"] == 1
+    assert waiting["reason"] == f"needs 1 node with {cpus:g} CPU free: 0 such nodes free"
+    never = ray.get(service.enqueue.remote(entry("b", cpus + 100, 3.0)))
+    assert never["state"] == "impossible" and "even when empty" in never["reason"]
+
+    ray.kill(service)
+    deadline = time.monotonic() + 30
+    while True:  # the name is free once the old actor is gone
+        try:
+            ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
+        except ValueError:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    again = start_queue_service(root)
+    assert ray.get(again.admission.remote("a")) == first  # still admitted, not admitted again
+    assert ray.get(again.enqueue.remote(entry("a", 1, 1.0)))["placed_on"] == first["placed_on"]
+    assert ray.get(again.admission.remote("c"))["state"] == "queued"
+    ray.get(again.release.remote("a"))
+    assert ray.get(again.admission.remote("c"))["state"] == "admitted"
+    assert ray.get(again.admission.remote("a"))["state"] == "unknown"
