@@ -217,6 +217,26 @@ def storage_root(tmp_path: Path) -> str:
     return str(tmp_path / "storage")
 
 
+@contextlib.contextmanager
+def ray_driver(
+    cluster: LocalClusterInfo, monkeypatch: pytest.MonkeyPatch, namespace: str
+) -> Iterator[None]:
+    """This process connected to the embedded cluster, as a job's controller is; disconnected
+    after."""
+    import ray
+
+    for key, value in embedded_env().items():
+        monkeypatch.setenv(key, value)
+    # Ray read RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it was imported; without it off, ray.init
+    # swaps 127.0.0.1 for the machine's address and hangs.
+    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    ray.init(address=cluster.gcs_address, namespace=namespace, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 def eventually(predicate, what: str, timeout: float = 30) -> None:
     """Wait for `predicate` with a deadline: a job's nodes are cleaned just after it ends."""
     deadline = time.monotonic() + timeout

@@ -9,25 +9,22 @@ from collections.abc import Iterator
 
 import pytest
 import ray
+from conftest import ray_driver
 
 from orchestrator.agents.secret_service import NAMESPACE
-from orchestrator.cluster.local import LocalClusterInfo, embedded_env
+from orchestrator.cluster.local import LocalClusterInfo
 from orchestrator.scheduler.service import QUEUE_SERVICE_NAME, start_queue_service
 from orchestrator.storage.queue_store import QueueEntry
 
 
 @pytest.fixture
 def driver(ray_cluster: LocalClusterInfo, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for key, value in embedded_env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-    ray.init(address=ray_cluster.gcs_address, namespace="queue-service-test", log_to_driver=False)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):
-            ray.kill(ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE))
-        ray.shutdown()
+    with ray_driver(ray_cluster, monkeypatch, "queue-service-test"):
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE))
 
 
 def entry(job_id: str, cpus: float, at: float) -> dict:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import ray
-from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE
+from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, ray_driver
 
 from orchestrator.agents.secret_service import NAMESPACE, SECRET_SERVICE_NAME, start_secret_service
-from orchestrator.cluster.local import LocalClusterInfo, embedded_env
+from orchestrator.cluster.local import LocalClusterInfo
 from orchestrator.storage.secret_store import FileSecretStore
 
 CLUSTER_VALUE = "cluster-wide-3e9f0a1b"
@@ -23,17 +23,8 @@ LATER = "set-later-91e3f5a7"
 
 @pytest.fixture
 def driver(ray_cluster: LocalClusterInfo, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """This process connected to the cluster, as a job's controller is; disconnected after."""
-    for key, value in embedded_env().items():
-        monkeypatch.setenv(key, value)
-    # Ray read RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when this module imported it; without it off,
-    # ray.init swaps 127.0.0.1 for the machine's address and hangs.
-    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-    ray.init(address=ray_cluster.gcs_address, namespace="secret-service-test", log_to_driver=False)
-    try:
+    with ray_driver(ray_cluster, monkeypatch, "secret-service-test"):
         yield
-    finally:
-        ray.shutdown()
 
 
 def service_running() -> bool:
