@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -49,6 +50,11 @@ class TransformersEngine:
             else:
                 model.load_adapter(directory, adapter_name=name)
         self.model = model.eval()
+        # transformers 5.24 renamed the KV cache argument and output `past_key_values` -> `cache`
+        # (the old name warns, and goes in 5.40): use the one this model's forward declares.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        declared = inspect.signature(base.forward).parameters
+        self._cache_arg = "cache" if "cache" in declared else "past_key_values"
         self._context = _context_length(self.model.config, self.tokenizer)
         self._eos_ids = _eos_ids(self.model.generation_config, self.tokenizer)
         self._lock = threading.Lock()
@@ -191,8 +197,8 @@ class TransformersEngine:
             generator.seed()
         inputs, past = torch.tensor([prompt_ids]), None
         for _ in range(params.max_tokens):
-            out = self.model(input_ids=inputs, past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[0, -1].float()
+            out = self.model(input_ids=inputs, use_cache=True, **{self._cache_arg: past})
+            past, logits = getattr(out, self._cache_arg), out.logits[0, -1].float()
             if sampling:
                 token = _sample(logits, params.temperature, params.top_p, generator)
             else:
