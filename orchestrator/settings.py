@@ -138,6 +138,9 @@ DEPLOY_TIMEOUT_S = _setting("DEPLOY_TIMEOUT_S", 900.0, positive_float, CLIENT)
 # --- the head node ------------------------------------------------------------------------------
 USE_IMAGE_URI = _setting("USE_IMAGE_URI", False, flag, HEAD)
 SECRETS_DIR = _setting("SECRETS_DIR", None, text, HEAD)  # default: $HOME/secrets
+# Nodes join on demand: a job larger than today's cluster waits (up to the scheduling timeout)
+# instead of failing at once.
+CLUSTER_AUTOSCALES = _setting("CLUSTER_AUTOSCALES", False, flag, HEAD)
 
 # --- every node ---------------------------------------------------------------------------------
 NODE_ROOT = _setting("NODE_ROOT", None, text, NODE)  # default: <tmp>/orchestrator

@@ -11,7 +11,7 @@ import psutil
 import pytest
 from conftest import eventually, make_job
 from ray.job_submission import JobSubmissionClient
-from ray.util.state import list_actors, list_placement_groups
+from ray.util.state import list_actors, list_nodes, list_placement_groups
 
 from orchestrator import ConfigError
 from orchestrator.client.api import get_job, list_jobs, list_projects, push
@@ -148,19 +148,36 @@ def test_stop_ends_the_processes_and_removes_the_placement_group(
     assert not Path(scratch).exists(), "scratch must be deleted after a stop"
 
 
-def test_unschedulable_job_is_pending_with_a_reason_then_deploy_failed(
-    tmp_path, storage_root, monkeypatch
-):
-    monkeypatch.setenv("ORCHESTRATOR_SCHEDULING_TIMEOUT_S", "4")
+def test_a_job_larger_than_any_node_is_deploy_failed_at_once_with_why(tmp_path, storage_root):
     config = cpu_job(tmp_path / "job", ["echo never"], cpus=64)
     job = push(config, storage_root=storage_root)
-    wait_for(job, lambda: job.status() != JobState.CREATED, "the job to leave CREATED")
     assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
-    pending = [e for e in job.details().history if e.state == JobState.PENDING]
-    assert pending and "needs 1 node with CPU 64" in pending[0].reason
+    assert not [e for e in job.details().history if e.state == JobState.PENDING]  # no wait
     failure = job.details().failure
-    assert failure is not None and "could not be scheduled within 4 s" in failure.cause
-    assert "CPU 64" in failure.cause
+    assert failure is not None
+    assert "cannot be placed on this cluster even when it is idle" in failure.cause
+    assert "needs 1 node with CPU 64" in failure.cause
+    assert "ORCHESTRATOR_CLUSTER_AUTOSCALES=1" in failure.cause  # what to do if it grows
+
+
+def test_a_job_that_fits_but_finds_the_cluster_busy_waits_with_a_reason(
+    tmp_path, storage_root, ray_cluster, monkeypatch
+):
+    cpus = int(max(n.resources_total.get("CPU", 0) for n in
+                   list_nodes(address=ray_cluster.dashboard_url, detail=True)))  # fmt: skip
+    hog = push(cpu_job(tmp_path / "hog", ["sleep 60"], name="hog", cpus=cpus),
+               storage_root=storage_root)  # fmt: skip
+    wait_for(hog, lambda: hog.status() == JobState.RUNNING, "the first job to hold every CPU")
+    try:
+        monkeypatch.setenv("ORCHESTRATOR_SCHEDULING_TIMEOUT_S", "3")
+        job = push(cpu_job(tmp_path / "job", ["echo never"], cpus=cpus), storage_root=storage_root)
+        assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
+        pending = [e for e in job.details().history if e.state == JobState.PENDING]
+        assert pending and "their resources are in use by other work" in pending[0].reason
+        failure = job.details().failure
+        assert failure is not None and "could not be scheduled within 3 s" in failure.cause
+    finally:
+        hog.stop()
 
 
 def test_missing_secret_fails_the_deploy_naming_it(tmp_path, storage_root):
@@ -265,12 +282,11 @@ def test_colocated_ranks_run_a_gang_on_one_machine(tmp_path, storage_root):
     assert len(job.details().nodes) == 2
 
 
-def test_a_gang_larger_than_the_cluster_waits_with_a_reason(tmp_path, storage_root, monkeypatch):
-    monkeypatch.setenv("ORCHESTRATOR_SCHEDULING_TIMEOUT_S", "3")
+def test_a_gang_larger_than_the_cluster_fails_at_once_with_a_reason(tmp_path, storage_root):
     body = CPU_JOB.format(project="gang", name="gang", cpus=1, commands=["echo never"])
     config = make_job(tmp_path / "job", body.replace("Compute(", "Compute(node_count=2, "))
     job = push(config, storage_root=storage_root)
     assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
-    pending = [e.reason for e in job.details().history if e.state == JobState.PENDING]
-    assert pending and pending[0].startswith("needs 2 nodes with CPU 1")
-    assert "1 of 1 alive node has that much in total" in pending[0]
+    failure = job.details().failure
+    assert failure is not None and "needs 2 nodes with CPU 1" in failure.cause
+    assert "1 of 1 alive node has that much in total" in failure.cause

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from orchestrator import definitions as d
-from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
+from orchestrator.controller.placement import (
+    bundles_for,
+    describe_shortfall,
+    never_fits,
+    strategy_for,
+)
 
 GiB = 2**30
 
@@ -54,3 +59,14 @@ def test_shortfall_when_the_resources_exist_but_are_busy():
 
 def test_shortfall_with_no_nodes():
     assert describe_shortfall({"CPU": 1}, 1, [node(4, alive=False)]) == "no Ray node is alive"
+
+
+def test_what_can_never_fit_the_alive_nodes_even_when_idle():
+    node = {"Alive": True, "Resources": {"CPU": 8, "GPU": 2, "accelerator_type:H100": 1}}
+    dead = {"Alive": False, "Resources": {"CPU": 64}}
+    gpu = {"CPU": 2, "GPU": 1, "accelerator_type:H100": 0.001}
+    assert not never_fits(gpu, 2, [node, node], spread=True)
+    assert never_fits(gpu, 3, [node, node], spread=True)  # one node per bundle
+    assert not never_fits(gpu, 4, [node, node], spread=False)  # two fit on each node
+    assert never_fits({"CPU": 64}, 1, [node, dead], spread=False)  # only a dead node has it
+    assert never_fits({"CPU": 1, "accelerator_type:A100": 0.001}, 1, [node], spread=False)

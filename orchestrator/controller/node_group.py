@@ -34,7 +34,12 @@ from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.controller.checkpointing import RankEnding, Uploaders
 from orchestrator.controller.failure_policy import Fault, FaultKind
-from orchestrator.controller.placement import bundles_for, describe_shortfall, strategy_for
+from orchestrator.controller.placement import (
+    bundles_for,
+    describe_shortfall,
+    never_fits,
+    strategy_for,
+)
 from orchestrator.controller.training_cache import affinity_selector
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.records import Failure, JobRecord
@@ -192,6 +197,17 @@ class RayNodeGroup:
         bundles = bundles_for(compute)
         strategy = strategy_for(compute, colocate=self.record.colocate_ranks)
         name = f"orchestrator-{self.record.job_id}"
+        nodes = ray.nodes()
+        spread = strategy == "STRICT_SPREAD"
+        if not settings.CLUSTER_AUTOSCALES.get() and never_fits(
+            bundles[0], len(bundles), nodes, spread
+        ):
+            raise NodeGroupError(
+                "cannot be placed on this cluster even when it is idle: "
+                f"{describe_shortfall(bundles[0], len(bundles), nodes)}. If nodes join on "
+                f"demand (an autoscaler), set {settings.CLUSTER_AUTOSCALES.name}=1 in the head "
+                "node's `ray start` environment and such a job waits for them"
+            )
         if self._reserve_near_cache(bundles, strategy, name):
             return
         self.pg = placement_group(bundles, strategy=strategy, name=name)

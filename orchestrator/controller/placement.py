@@ -70,6 +70,23 @@ def describe_shortfall(bundle: dict[str, float], count: int, nodes: list[dict[st
     return message
 
 
+def never_fits(
+    bundle: dict[str, float], count: int, nodes: list[dict[str, Any]], spread: bool
+) -> bool:
+    """The alive nodes could not hold `count` bundles even with nothing else on them: one node
+    per bundle when `spread`, else as many per node as fit."""
+    slots = [_slots(bundle, n.get("Resources", {})) for n in nodes if n.get("Alive")]
+    if spread:
+        return sum(1 for s in slots if s >= 1) < count
+    return sum(slots) < count
+
+
+def _slots(bundle: dict[str, float], resources: dict[str, float]) -> int:
+    """How many bundles a node holds when empty."""
+    wanted = [(k, v) for k, v in bundle.items() if v > 0]
+    return min((int(resources.get(k, 0) / v + 1e-9) for k, v in wanted), default=0)
+
+
 def _fits(bundle: dict[str, float], resources: dict[str, float]) -> bool:
     return all(resources.get(k, 0) >= v for k, v in bundle.items())
 
