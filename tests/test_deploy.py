@@ -29,6 +29,7 @@ from orchestrator.client.deploy import (
     deploy_checkpoints,
     list_deployments,
     servable,
+    stop_deployment,
 )
 from orchestrator.client.jobs import JobHandle
 from orchestrator.lifecycle import JobState
@@ -158,10 +159,11 @@ def test_deployments_are_listed_and_stopping_leaves_nothing(trained, ray_cluster
     ]  # fmt: skip
     assert all(d["status"] == "RUNNING" and d["replicas"] == 1 for d in by_name.values())
 
-    for name in ("tiny-full", "tiny-lora"):
-        stopped = cli("deployments", "stop", name)
-        assert stopped.returncode == 0, stopped.stderr
-    assert json.loads(cli("deployments", "list", "-o", "json").stdout) == []
+    stopped = cli("deployments", "stop", "tiny-full")
+    assert stopped.returncode == 0, stopped.stderr
+    assert [d.name for d in list_deployments()] == ["tiny-lora"]
+    stop_deployment("tiny-lora")  # the last one: Serve itself goes
+    assert list_deployments() == []
     alive = list_actors(address=ray_cluster.dashboard_url, filters=[("state", "=", "ALIVE")])
     serve_actors = [a.class_name for a in alive if "Serve" in a.class_name or "Proxy" in
                     a.class_name or "TransformersServer" in a.class_name]  # fmt: skip
@@ -172,6 +174,7 @@ def test_deployments_are_listed_and_stopping_leaves_nothing(trained, ray_cluster
 
 
 def test_a_secret_the_nodes_do_not_have_fails_the_deployment_naming_it(trained):
+    """After the deployments above are stopped: each replica takes one of the cluster's CPUs."""
     job, storage_root, _ = trained
     config = DeployCheckpointsConfig(
         model_name="no-secret",
@@ -179,13 +182,13 @@ def test_a_secret_the_nodes_do_not_have_fails_the_deployment_naming_it(trained):
             environment_variables={"HF_TOKEN": SecretReference(name="never_set_anywhere")}
         ),
     )
-    try:
-        with pytest.raises(DeployError, match="never_set_anywhere"):
-            deploy_checkpoints(config, job_id=job.id, checkpoints=["checkpoint-30"],
-                               storage_root=storage_root, timeout=120)  # fmt: skip
-    finally:
-        for d in list_deployments():
-            d.stop()
+    with pytest.raises(DeployError, match="never_set_anywhere"):
+        deploy_checkpoints(config, job_id=job.id, checkpoints=["checkpoint-30"],
+                           storage_root=storage_root, timeout=120)  # fmt: skip
+    failed = [d for d in list_deployments() if d.name == "no-secret"]
+    assert [d.status for d in failed] == ["DEPLOY_FAILED"]  # listed, with why, until stopped
+    assert "never_set_anywhere" in failed[0].message
+    stop_deployment("no-secret")
 
 
 def test_dry_run_prints_a_serve_config_and_deploys_nothing(trained):
