@@ -326,9 +326,10 @@ def _wait_ready(client: Any, deployment: Deployment, timeout: float) -> None:
                 f"stop {deployment.name}`)"
             )
         if time.monotonic() > deadline:
+            said = f"; Serve says: {_cause(deployment.message)}" if deployment.message else ""
             raise DeployError(
                 f"deployment {deployment.name!r} is not ready after {timeout:.0f} s "
-                f"({deployment.status or 'not started'}); it is left running: see "
+                f"({deployment.status or 'not started'}{said}); it is left running: see "
                 "`orchestrator deployments list` and the dashboard's Serve page"
             )
         time.sleep(_POLL_S)
