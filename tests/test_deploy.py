@@ -191,7 +191,7 @@ def test_a_secret_the_nodes_do_not_have_fails_the_deployment_naming_it(trained):
     stop_deployment("no-secret")
 
 
-def test_dry_run_prints_a_serve_config_and_deploys_nothing(trained):
+def test_dry_run_prints_a_serve_config_and_deploys_nothing(trained, tmp_path):
     job, storage_root, _ = trained
     several = cli("deploy_checkpoints", "--job-id", job.id, "--non-interactive", "--dry-run",
                   "--storage-root", storage_root)  # fmt: skip
@@ -206,6 +206,22 @@ def test_dry_run_prints_a_serve_config_and_deploys_nothing(trained):
     assert app.import_path == "orchestrator.serving.transformers_server:build_app"
     assert app.args["model"]["adapters"]["lora-checkpoint-30"]["job_id"] == job.id
     assert [d.name for d in list_deployments()] == []
+
+    # A deploy config naming the checkpoint by job and name, as Baseten's do.
+    deploy_py = tmp_path / "deploy.py"
+    deploy_py.write_text(
+        "from orchestrator.definitions import *\n"
+        "deploy = DeployCheckpointsConfig(model_name='from-config', checkpoint_details="
+        f"CheckpointList(checkpoints=[LoRACheckpoint(training_job_id='{job.id}', "
+        "checkpoint_name='lora-checkpoint-30')]))\n"
+    )
+    run = cli("deploy_checkpoints", "--config", str(deploy_py), "--dry-run",
+              "--storage-root", storage_root, "-o", "json")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (app,) = json.loads(run.stdout)["applications"]
+    assert app["name"] == "from-config"
+    assert app["args"]["model"]["base"]["checkpoint"]["name"] == "checkpoint-0"
+    assert list(app["args"]["model"]["adapters"]) == ["lora-checkpoint-30"]
 
 
 def test_the_wizard_lists_checkpoints_latest_first_and_asks_for_a_name(trained):

@@ -14,7 +14,8 @@ from conftest import ray_driver
 from orchestrator.agents.secret_service import NAMESPACE
 from orchestrator.cluster.local import LocalClusterInfo
 from orchestrator.scheduler.service import QUEUE_SERVICE_NAME, start_queue_service
-from orchestrator.storage.queue_store import QueueEntry
+from orchestrator.storage.queue_store import QueueEntry, QueueStore
+from orchestrator.storage.root import StorageRoot
 
 
 @pytest.fixture
@@ -59,3 +60,16 @@ def test_a_killed_service_comes_back_with_the_same_queue(driver, tmp_path):
     ray.get(again.release.remote("a"))
     assert ray.get(again.admission.remote("c"))["state"] == "admitted"
     assert ray.get(again.admission.remote("a"))["state"] == "unknown"
+
+    # Only a waiting job's priority changes; a preempted job goes back keeping its push time.
+    with pytest.raises(ray.exceptions.RayTaskError, match="not waiting in the queue"):
+        ray.get(again.update_priority.remote("c", 9))
+    ray.get(again.enqueue.remote(entry("d", 1, 4.0)))
+    moved = ray.get(again.update_priority.remote("d", 7))
+    assert moved["state"] == "queued" and moved["position"] == 1
+    back = ray.get(again.requeue.remote("c"))  # preempted: d (priority 7) now goes first
+    assert back["state"] == "queued"
+    assert ray.get(again.admission.remote("d"))["state"] == "admitted"
+    view = {e["job_id"]: e for e in ray.get(again.view.remote())["entries"]}
+    assert view["d"]["priority"] == 7 and view["c"]["pushed_at"] == 2.0
+    assert [e.job_id for e in QueueStore(StorageRoot(root)).entries()] == ["c", "b", "d"]

@@ -18,10 +18,10 @@ from orchestrator.cli.options import Address, JobId, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, print_json, when
 from orchestrator.client.api import get_job, latest_job
 from orchestrator.client.config_loader import load_deploy_config
-from orchestrator.client.deploy import deploy_checkpoints as deploy
-from orchestrator.client.deploy import plan_from, servable
+from orchestrator.client.deploy import deploy_plan, plan_from, servable
 from orchestrator.client.jobs import JobHandle
 from orchestrator.errors import ConfigError
+from orchestrator.serving.plan import renamed
 from orchestrator.spec.deploy import CheckpointList, DeployCheckpointsConfig
 from orchestrator.spec.training import Compute
 
@@ -98,11 +98,10 @@ def deploy_checkpoints(
     plan = plan_from(cfg, job_id=job_id, checkpoints=names, model_name=model_name,
                      engine=engine, storage_root=storage_root)  # fmt: skip
     if not (model_name or cfg.model_name) and interactive:
-        model_name = Prompt.ask("Model name", default=plan.name, console=_stderr)
+        plan = renamed(plan, Prompt.ask("Model name", default=plan.name, console=_stderr))
     _stderr.print(f"engine: [bold]{plan.model.engine}[/bold] ({escape(plan.engine_reason)})")
-    deployment = deploy(cfg, job_id=job_id, checkpoints=names, model_name=model_name,
-                        engine=engine, replace=replace, dry_run=dry_run, timeout=timeout,
-                        address=address, storage_root=storage_root, wait=True)  # fmt: skip
+    deployment = deploy_plan(plan, replace=replace, dry_run=dry_run, timeout=timeout,
+                             address=address)  # fmt: skip
     if dry_run:
         if output is OutputFormat.json:
             print_json(deployment.serve_config)

@@ -96,6 +96,20 @@ def deploy_checkpoints(
     """
     plan = plan_from(config, job_id=job_id, checkpoints=checkpoints, model_name=model_name,
                      engine=engine, storage_root=storage_root)  # fmt: skip
+    return deploy_plan(plan, replace=replace, dry_run=dry_run, wait=wait, timeout=timeout,
+                       address=address)  # fmt: skip
+
+
+def deploy_plan(
+    plan: DeploymentPlan,
+    *,
+    replace: bool = False,
+    dry_run: bool = False,
+    wait: bool = True,
+    timeout: float | None = None,
+    address: str | None = None,
+) -> Deployment:
+    """Deploy what `plan_from` planned (the CLI plans once, asks for a name, then deploys)."""
     app = application(plan)
     if dry_run:
         host = settings.SERVE_HOST.get() or "0.0.0.0"
@@ -150,22 +164,23 @@ def plan_from(
     details = cfg.checkpoint_details
     if details and details.loops_checkpoint_ids:
         raise ConfigError("loops checkpoints are Baseten's own; they cannot be served here")
+    listed: dict[str, list[Manifest]] = {}  # each job's checkpoints, read once
     if details and details.checkpoints:
         chosen = []
         for ckpt in details.checkpoints:
             job = get_job(ckpt.training_job_id, storage_root=storage_root)
-            manifest = job.checkpoint(ckpt.checkpoint_name)
+            available = listed.setdefault(job.id, servable(job))
+            (manifest,) = _named(job, available, [ckpt.checkpoint_name])
             chosen.append(_chosen(job, manifest, ckpt.model_weight_format))
-        jobs = {c.job.job_id: get_job(c.job.job_id, storage_root=storage_root) for c in chosen}
     else:
         job = (
             get_job(job_id, storage_root=storage_root)
             if job_id
             else latest_job(storage_root=storage_root)
         )
-        chosen = [_chosen(job, m) for m in pick_checkpoints(job, checkpoints)]
-        jobs = {job.id: job}
-    fulls = [m for j in jobs.values() for m in servable(j) if m.checkpoint_type == "full"]
+        available = listed.setdefault(job.id, servable(job))
+        chosen = [_chosen(job, m) for m in pick_checkpoints(job, checkpoints, available)]
+    fulls = [m for found in listed.values() for m in found if m.checkpoint_type == "full"]
     return plan_deployment(cfg, chosen, engine=engine, full_checkpoints=fulls)
 
 
@@ -179,8 +194,12 @@ def servable(job: JobHandle) -> list[Manifest]:
     return sorted(by_name.values(), key=lambda m: m.created_at, reverse=True)
 
 
-def pick_checkpoints(job: JobHandle, names: list[str] | None) -> list[Manifest]:
-    available = servable(job)
+def pick_checkpoints(
+    job: JobHandle, names: list[str] | None, available: list[Manifest] | None = None
+) -> list[Manifest]:
+    """`names` (`latest`: the newest) among the job's servable checkpoints; none named: the one
+    there is, an error naming them if there are several."""
+    available = servable(job) if available is None else available
     if not available:
         raise ConfigError(f"job {job.id} has no complete checkpoint to deploy")
     if not names:
@@ -190,17 +209,21 @@ def pick_checkpoints(job: JobHandle, names: list[str] | None) -> list[Manifest]:
             f"job {job.id} has {len(available)} checkpoints: choose with --checkpoint NAME "
             f"(or 'latest'): {', '.join(m.name for m in available)}"
         )
+    return _named(job, available, names)
+
+
+def _named(job: JobHandle, available: list[Manifest], names: list[str]) -> list[Manifest]:
     by_name = {m.name: m for m in available}
     picked = []
     for name in names:
-        if name == "latest":
+        if name == "latest" and available:
             picked.append(available[0])
         elif name in by_name:
             picked.append(by_name[name])
         else:
             raise ConfigError(
                 f"job {job.id} has no complete checkpoint named {name!r}; it has: "
-                f"{', '.join(by_name)}"
+                f"{', '.join(by_name) or 'none'}"
             )
     return list({m.name: m for m in picked}.values())
 
@@ -246,7 +269,9 @@ def stop_deployment(
     client = _serve_client(connection)
     details = _details(client)
     running = _applications(details)
-    get_deployment(name, connection=connection)  # ours, and there
+    config = (running.get(name) or {}).get("deployed_app_config") or {}
+    if config.get("import_path") not in _OURS:
+        raise DeployError(f"no deployment named {name!r} (see `orchestrator deployments list`)")
     rest = [a["deployed_app_config"] for n, a in running.items() if n != name]
     if not rest:
         client.delete_applications()

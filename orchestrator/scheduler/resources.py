@@ -45,10 +45,6 @@ class Resources:
     def fits_in(self, room: Resources) -> bool:
         return all(v <= room.get(k) + 1e-9 for k, v in self.amounts.items() if v > 0)
 
-    def within(self, limits: Mapping[str, float]) -> bool:
-        """No more than `limits` of each limited key (a key without a limit is unlimited)."""
-        return all(self.get(k) <= limit + 1e-9 for k, limit in limits.items())
-
     def describe(self) -> str:
         return describe(self.amounts)
 

@@ -7,6 +7,7 @@ adapters, the replica's resources, and the application as `serve deploy` takes i
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import re
 from dataclasses import dataclass
@@ -112,6 +113,12 @@ def plan_deployment(
         secret_env=secret_env,
     )
     return DeploymentPlan(model, reason, config.compute)
+
+
+def renamed(plan: DeploymentPlan, name: str) -> DeploymentPlan:
+    """The same plan served under another model name (sanitised as any name is)."""
+    model = plan.model.model_copy(update={"name": sanitize_name(name)})
+    return dataclasses.replace(plan, model=model)
 
 
 def choose_engine(compute: Compute | None, requested: str) -> tuple[Engine, str]:

@@ -14,7 +14,7 @@ from orchestrator.errors import UnsupportedFeatureError
 from orchestrator.serving.plan import max_lora_rank
 from orchestrator.serving.served_model import BaseModelSource, ServedModel, StoredCheckpoint
 from orchestrator.spec.training import Compute
-from orchestrator.storage.checkpoints import CheckpointStore
+from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.root import StorageRoot
 
 
@@ -92,17 +92,20 @@ def _base_source(root: StorageRoot, base: BaseModelSource) -> str | dict[str, st
 
 
 def _checkpoint_source(root: StorageRoot, ckpt: StoredCheckpoint) -> str | dict[str, str]:
-    manifest = CheckpointStore(root).manifest(ckpt.project_id, ckpt.job_id, ckpt.rank, ckpt.name)
-    if manifest is None:
-        raise UnsupportedFeatureError(f"checkpoint {ckpt.key} is not in {root.url}")
+    manifest = _manifest(root, ckpt)
     if root.is_local:
         return root.path(manifest.files_dir)  # one machine, or a filesystem every node shares
     return {"bucket_uri": f"{root.url}/{manifest.files_dir}"}
 
 
 def _copy_checkpoint(root: StorageRoot, ckpt: StoredCheckpoint, rel: str) -> None:
+    manifest = _manifest(root, ckpt)
+    for f in manifest.files:
+        root.write_bytes(f"{rel}/{f.path}", root.read_bytes(f"{manifest.files_dir}/{f.path}"))
+
+
+def _manifest(root: StorageRoot, ckpt: StoredCheckpoint) -> Manifest:
     manifest = CheckpointStore(root).manifest(ckpt.project_id, ckpt.job_id, ckpt.rank, ckpt.name)
     if manifest is None:
         raise UnsupportedFeatureError(f"checkpoint {ckpt.key} is not in {root.url}")
-    for f in manifest.files:
-        root.write_bytes(f"{rel}/{f.path}", root.read_bytes(f"{manifest.files_dir}/{f.path}"))
+    return manifest
