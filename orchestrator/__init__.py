@@ -13,6 +13,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _CLIENT_API = ("push", "dry_run", "get_job", "list_jobs", "list_projects")
+_QUEUE_API = ("set_capacity", "capacity", "queue", "update_priority")
 _DEPLOY_API = ("deploy_checkpoints", "list_deployments", "get_deployment", "stop_deployment")
 _ERRORS = (
     "ConfigError", "OrchestratorError", "PushWhileLoading", "SettingError",
@@ -29,6 +30,8 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module("orchestrator.definitions")
     if name in _CLIENT_API:
         return getattr(importlib.import_module("orchestrator.client.api"), name)
+    if name in _QUEUE_API:
+        return getattr(importlib.import_module("orchestrator.client.queue"), name)
     if name in _DEPLOY_API:
         return getattr(importlib.import_module("orchestrator.client.deploy"), name)
     if name in _ERRORS:
@@ -48,4 +51,5 @@ def __dir__() -> list[str]:
 def _public_names() -> list[str]:
     from orchestrator.definitions import __all__ as spec_names
 
-    return [*_CLIENT_API, *_DEPLOY_API, *_ERRORS, *_NODE_HELPERS, "definitions", *spec_names]
+    return [*_CLIENT_API, *_QUEUE_API, *_DEPLOY_API, *_ERRORS, *_NODE_HELPERS, "definitions",
+            *spec_names]  # fmt: skip

@@ -134,6 +134,8 @@ RETRY_DELAY_S = _setting("RETRY_DELAY_S", 10.0, seconds, CLIENT)
 SERVE_HOST = _setting("SERVE_HOST", None, text, CLIENT)  # default: loopback on the embedded cluster
 SERVE_PORT = _setting("SERVE_PORT", 8000, whole_number, CLIENT)
 DEPLOY_TIMEOUT_S = _setting("DEPLOY_TIMEOUT_S", 900.0, positive_float, CLIENT)
+# How long a pushed job may wait in the queue before it ends DEPLOY_FAILED; unset: no limit.
+QUEUE_TIMEOUT_S = _setting("QUEUE_TIMEOUT_S", None, positive_float, CLIENT)
 
 # --- the head node ------------------------------------------------------------------------------
 USE_IMAGE_URI = _setting("USE_IMAGE_URI", False, flag, HEAD)
@@ -141,6 +143,10 @@ SECRETS_DIR = _setting("SECRETS_DIR", None, text, HEAD)  # default: $HOME/secret
 # Nodes join on demand: a job larger than today's cluster waits (up to the scheduling timeout)
 # instead of failing at once.
 CLUSTER_AUTOSCALES = _setting("CLUSTER_AUTOSCALES", False, flag, HEAD)
+# The queue (scheduler/policy.py): a job within its quota that has waited this long has what
+# frees up held for it (no starvation); a preempted job's commands and uploads get this long.
+QUEUE_HOLD_AFTER_S = _setting("QUEUE_HOLD_AFTER_S", 600.0, positive_float, HEAD)
+PREEMPTION_GRACE_S = _setting("PREEMPTION_GRACE_S", 60.0, positive_float, HEAD)
 
 # --- every node ---------------------------------------------------------------------------------
 NODE_ROOT = _setting("NODE_ROOT", None, text, NODE)  # default: <tmp>/orchestrator

@@ -61,6 +61,25 @@ class FakeUploaders:
         return ["[checkpoints] nothing left to upload"], CheckpointSummary.of([], {})
 
 
+class OpenQueue:
+    """A cluster's queue with room for every job (the queue's own tests use the real one)."""
+
+    def wait_admitted(self, timeout_s, on_pending, check_stop) -> bool:
+        return False
+
+    def placed(self, node_ids) -> None:
+        self.placed_on = node_ids
+
+    def preemption(self) -> None:
+        return None
+
+    def requeue(self) -> None:
+        raise AssertionError("nothing preempts a job here")
+
+    def release(self) -> None:
+        self.released = True
+
+
 class FakeNodes:
     """A NodeGroup whose ranks end as scripted, attempt by attempt; it notes each call."""
 
@@ -87,6 +106,9 @@ class FakeNodes:
         if self.unplaceable:
             on_pending("needs 2 nodes with GPU 8 each; 0 of 1 alive node have that much")
             raise NodeGroupError(f"could not be scheduled within {timeout_s:g} s: no room")
+
+    def placed_nodes(self) -> list[str]:
+        return [f"node-{rank}" for rank in range(self.size)]
 
     def create(self) -> None:
         self.calls.append("create")
@@ -183,7 +205,8 @@ def job(tmp_path: Path, monkeypatch):
         fake = FakeNodes(store, record.job_id, nodes)
         if checkpointing:
             fake.uploaders = FakeUploaders(fake)
-        controller = JobController(store, record.job_id, 5, node_group=lambda r, say: fake)
+        controller = JobController(store, record.job_id, 5, node_group=lambda r, say: fake,
+                                   queue=lambda r, say: OpenQueue())  # fmt: skip
         return controller, fake, JobHandle(store, record)
 
     return make

@@ -156,7 +156,7 @@ def test_a_job_larger_than_any_node_is_deploy_failed_at_once_with_why(tmp_path, 
     failure = job.details().failure
     assert failure is not None
     assert "cannot be placed on this cluster even when it is idle" in failure.cause
-    assert "needs 1 node with CPU 64" in failure.cause
+    assert "needs 1 node with 64 CPU" in failure.cause
     assert "ORCHESTRATOR_CLUSTER_AUTOSCALES=1" in failure.cause  # what to do if it grows
 
 
@@ -169,13 +169,16 @@ def test_a_job_that_fits_but_finds_the_cluster_busy_waits_with_a_reason(
                storage_root=storage_root)  # fmt: skip
     wait_for(hog, lambda: hog.status() == JobState.RUNNING, "the first job to hold every CPU")
     try:
-        monkeypatch.setenv("ORCHESTRATOR_SCHEDULING_TIMEOUT_S", "3")
+        monkeypatch.setenv("ORCHESTRATOR_QUEUE_TIMEOUT_S", "3")  # no limit unless set
         job = push(cpu_job(tmp_path / "job", ["echo never"], cpus=cpus), storage_root=storage_root)
         assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
         pending = [e for e in job.details().history if e.state == JobState.PENDING]
-        assert pending and "their resources are in use by other work" in pending[0].reason
+        assert pending and pending[0].reason == (
+            f"waiting in the queue (position 1): needs 1 node with {cpus} CPU, 512.0 MiB memory "
+            "free: 0 such nodes free"
+        )
         failure = job.details().failure
-        assert failure is not None and "could not be scheduled within 3 s" in failure.cause
+        assert failure is not None and "longer than its 3 s queue timeout" in failure.cause
     finally:
         hog.stop()
 
@@ -288,5 +291,5 @@ def test_a_gang_larger_than_the_cluster_fails_at_once_with_a_reason(tmp_path, st
     job = push(config, storage_root=storage_root)
     assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
     failure = job.details().failure
-    assert failure is not None and "needs 2 nodes with CPU 1" in failure.cause
+    assert failure is not None and "needs 2 nodes with 1 CPU" in failure.cause
     assert "1 of 1 alive node has that much in total" in failure.cause

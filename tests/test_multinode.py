@@ -271,8 +271,8 @@ def test_one_rank_failing_stops_the_others(tmp_path, storage_root, gpu_cluster):
 @pytest.mark.parametrize(
     ("nodes", "accelerator", "reason"),
     [
-        (4, "H100:2", "needs 4 nodes with CPU 1, memory 0.5 GiB, GPU 2, accelerator H100 each"),
-        (1, "A100:1", "accelerator A100"),
+        (4, "H100:2", "needs 4 nodes with 2 H100, 1 CPU, 512.0 MiB memory each"),
+        (1, "A100:1", "no node has A100 GPUs; the cluster has H100"),
     ],
 )
 def test_gang_that_cannot_be_placed(tmp_path, storage_root, gpu_cluster, monkeypatch,

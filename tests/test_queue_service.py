@@ -13,7 +13,7 @@ from conftest import ray_driver
 
 from orchestrator.agents.secret_service import NAMESPACE
 from orchestrator.cluster.local import LocalClusterInfo
-from orchestrator.scheduler.service import QUEUE_SERVICE_NAME, start_queue_service
+from orchestrator.scheduler.service import queue_service_name, start_queue_service
 from orchestrator.storage.queue_store import QueueEntry, QueueStore
 from orchestrator.storage.root import StorageRoot
 
@@ -24,8 +24,10 @@ def driver(ray_cluster: LocalClusterInfo, monkeypatch: pytest.MonkeyPatch) -> It
         try:
             yield
         finally:
-            with contextlib.suppress(ValueError):
-                ray.kill(ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE))
+            for actor in ray.util.list_named_actors(all_namespaces=True):
+                if actor["name"].startswith("orchestrator-queue-"):  # the ones this test started
+                    with contextlib.suppress(ValueError):
+                        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
 
 
 def entry(job_id: str, cpus: float, at: float) -> dict:
@@ -48,7 +50,7 @@ def test_a_killed_service_comes_back_with_the_same_queue(driver, tmp_path):
     deadline = time.monotonic() + 30
     while True:  # the name is free once the old actor is gone
         try:
-            ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
+            ray.get_actor(queue_service_name(root), namespace=NAMESPACE)
         except ValueError:
             break
         assert time.monotonic() < deadline

@@ -14,14 +14,17 @@ from orchestrator.cli import (
     cmd_isession,
     cmd_logs,
     cmd_push,
+    cmd_queue,
     cmd_recreate,
     cmd_run,
     cmd_shell,
     cmd_stop,
+    cmd_update,
     cmd_validate,
     cmd_view,
 )
 from orchestrator.cli.cmd_cache import cache_app
+from orchestrator.cli.cmd_capacity import capacity_app
 from orchestrator.cli.cmd_checkpoints import checkpoints_app
 from orchestrator.cli.cmd_cluster import cluster_app
 from orchestrator.cli.cmd_deployments import deployments_app
@@ -47,11 +50,14 @@ app.command("run")(cmd_run.run)
 app.command("shell")(cmd_shell.shell)
 app.command("isession")(cmd_isession.isession)
 app.command("deploy_checkpoints")(cmd_deploy.deploy_checkpoints)
+app.command("queue")(cmd_queue.queue)
+app.command("update")(cmd_update.update)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(cache_app, name="cache")
 app.add_typer(secrets_app, name="secrets")
 app.add_typer(deployments_app, name="deployments")
+app.add_typer(capacity_app, name="capacity")
 
 _stderr = Console(stderr=True)
 

@@ -80,6 +80,7 @@ def store_job(
         checkpoint_upload=upload_settings or UploadSettings.from_env(),
         storage=storage_settings or StorageSettings.from_env(),
         retry=retry or RetryPolicy.resolve(),
+        queue_timeout_s=settings.QUEUE_TIMEOUT_S.get(),
         notices=list(prepared.warnings),
     )
     store.create(record, JobStatus.new(job_id, "submitted"))

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from orchestrator import settings
 from orchestrator.agents.messages import StartRequest
 from orchestrator.controller.checkpointing import RestoreFailed
 from orchestrator.controller.environment import job_environment
@@ -76,6 +77,12 @@ class Attempts:
                 self._record_end(None, f"failed: {end.over_volume}")
                 self.job.fail(JobState.FAILED, Failure(cause=str(end.over_volume)))
                 return
+            if end.fault.kind == FaultKind.PREEMPTED_BY_JOB:  # not a fault: no retry used
+                self._record_end(end.fault, "gave way: back in the queue, to resume later")
+                self._store_attempt(end, self._stop_attempt(end))
+                number += 1
+                end = self._run_one(number, self._back_in_line(end.fault, number))
+                continue
             decision = self.policy.decide(end.fault, self.faults)
             self.faults.append(end.fault)
             if decision.action == Action.END:  # the job's end stops and flushes everything
@@ -157,6 +164,10 @@ class Attempts:
                     why = f"rank {rank}'s node {node_id[:12]} is being preempted ({until} left)"
                     fault = Fault(FaultKind.PREEMPTED, why, rank, node_id)
                     return AttemptEnd(fault, Failure(cause=why, node_rank=rank), None, deadline)
+            if why := self.job.queue.preemption():
+                grace = settings.PREEMPTION_GRACE_S.get()
+                fault = Fault(FaultKind.PREEMPTED_BY_JOB, why)
+                return AttemptEnd(fault, Failure(cause=why), None, time.time() + grace)
             if any(r.failed for r in runs):
                 break
             if uploaders is not None:
@@ -191,7 +202,7 @@ class Attempts:
             grace = max(1.0, left * NOTICE_SHARE)
             job.say(
                 f"preemption notice: SIGTERM to every rank's commands now; they have "
-                f"{grace:.0f} s to save, the uploads until the node goes in {left:.0f} s"
+                f"{grace:.0f} s to save, the uploads the rest of {left:.0f} s"
             )
 
         def stop() -> None:
@@ -262,6 +273,32 @@ class Attempts:
         if uploaders is None:
             return None
         uploaders.wait_ready()
+        try:
+            resumed = uploaders.begin_attempt(number, job._check_stop)
+        except RestoreFailed as e:
+            raise Unrecoverable(str(e)) from None
+        job._say_lines(uploaders.poll()[0])
+        return resumed
+
+    def _back_in_line(self, fault: Fault, number: int) -> str | None:
+        """After the queue preempted the job (its commands stopped, its checkpoints stored):
+        give its nodes back, wait to be admitted again, place and prepare every rank anew and
+        put each at the latest checkpoint. The checkpoint attempt `number` resumes from."""
+        job, old = self.job, self.nodes
+        earlier = old.uploaders.earlier() if old.uploaders is not None else {}
+        unstored = any(e.state in ("pending", "failed") for e in earlier.values())
+        old.release(keep_checkpoints=unstored)  # what is not stored stays on its node
+        job.nodes = self.nodes = job.node_group(job.record, job.say)
+        job.move(JobState.PENDING, f"{fault.reason}; back in the queue")
+        job._queue_call(job.queue.requeue)
+        job._admit()
+        job._reserve()
+        job._deploy()
+        uploaders = self.nodes.uploaders
+        if uploaders is None:
+            job.say(f"no checkpointing: attempt {number} starts from the beginning")
+            return None
+        uploaders.carry(earlier)
         try:
             resumed = uploaders.begin_attempt(number, job._check_stop)
         except RestoreFailed as e:

@@ -223,6 +223,14 @@ class Uploaders:
             self._earlier.update({entry.key: entry for entry in result.entries})
         return lines
 
+    def earlier(self) -> dict[str, CheckpointEntry]:
+        """What the ended attempts' checkpoints became: for the uploaders that follow these
+        when the job moves to other nodes (after the queue preempted it)."""
+        return dict(self._earlier)
+
+    def carry(self, earlier: dict[str, CheckpointEntry]) -> None:
+        self._earlier.update(earlier)
+
     def begin_attempt(self, number: int, check_stop: Callable[[], None]) -> str | None:
         """Put every rank at the job's resume point (see `resume_point`) before attempt
         `number`, however long the restores take (a stop still ends it); the checkpoint's name,

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from orchestrator import settings
 from orchestrator.agents.messages import (
     PreparedNode,
     PrepareRequest,
@@ -42,6 +43,13 @@ from orchestrator.controller.node_group import (
     RayNodeGroup,
     short_error,
     use_image_uri,
+)
+from orchestrator.controller.queueing import (
+    JobQueue,
+    NeverFits,
+    QueueTimeout,
+    QueueUnavailable,
+    RayJobQueue,
 )
 from orchestrator.controller.session import hold_until, requested_until
 from orchestrator.controller.training_cache import (
@@ -91,6 +99,7 @@ class DeployFailed(Exception):
 
 
 NodeGroupFactory = Callable[[JobRecord, Callable[[str], None]], NodeGroup]
+QueueFactory = Callable[[JobRecord, Callable[[str], None]], JobQueue]
 
 
 class JobController:
@@ -102,6 +111,7 @@ class JobController:
         job_id: str,
         scheduling_timeout_s: float,
         node_group: NodeGroupFactory = RayNodeGroup,
+        queue: QueueFactory = RayJobQueue,
     ) -> None:
         self.store = store
         self.record: JobRecord = store.record(job_id)
@@ -115,7 +125,9 @@ class JobController:
         store.root.retry = StorageRetry(store.root.url, outage_s, say=self.say)
         self.unstored: list[str] = []  # what could not be stored when the job ended
         self.stop_requested = threading.Event()
+        self.node_group = node_group
         self.nodes: NodeGroup = node_group(self.record, self.say)
+        self.queue: JobQueue = queue(self.record, self.say)
         self.weight_sets: list[dict[str, Any]] = []  # mirrored sets, in the order of `weights`
         self.running_since = 0.0
         self.prepare_request: PrepareRequest | None = None  # a replacement node's, too
@@ -153,6 +165,7 @@ class JobController:
             if self.record.spec.job.secret_references():
                 start_secret_service()  # on this node, the head: where `secrets set` writes
             self._mirror_weights()
+            self._admit()
             self._reserve()
             self._deploy()
             Attempts(self).run()
@@ -180,6 +193,7 @@ class JobController:
             self.move(state, failure.cause, failure=failure)
         finally:
             self._release()
+            self._leave_queue()
             self._close_journal()
         return self.status.state
 
@@ -225,6 +239,31 @@ class JobController:
         self.status = self.status.model_copy(update={"weights": statuses})
         self.journal.status(self.status)
 
+    def _admit(self) -> None:
+        """Wait in the cluster's queue until the job may reserve its nodes."""
+        try:
+            borrowed = self.queue.wait_admitted(
+                self.record.queue_timeout_s,
+                lambda reason: self.move(JobState.PENDING, reason),
+                self._check_stop,
+            )
+        except NeverFits as e:
+            autoscales = settings.CLUSTER_AUTOSCALES.name
+            cause = (
+                f"cannot be placed on this cluster even when it is idle: {e}. If nodes join on "
+                f"demand (an autoscaler), set {autoscales}=1 in the head node's `ray start` "
+                "environment and such a job waits for them"
+            )
+            raise DeployFailed(Failure(cause=cause)) from None
+        except (QueueTimeout, QueueUnavailable) as e:
+            raise DeployFailed(Failure(cause=str(e))) from None
+        if borrowed:
+            self.say(
+                "admitted on idle capacity beyond team "
+                f"{self.record.team}'s quota: borrowed, so the first to be preempted when its "
+                "owners need it back"
+            )
+
     def _reserve(self) -> None:
         try:
             self.nodes.reserve(
@@ -234,6 +273,17 @@ class JobController:
             )
         except NodeGroupError as e:
             raise DeployFailed(Failure(cause=str(e))) from None
+        self._queue_call(self.queue.placed, self.nodes.placed_nodes())
+
+    def _leave_queue(self) -> None:
+        self._queue_call(self.queue.release)
+
+    def _queue_call(self, call: Callable[..., Any], *args: Any) -> None:
+        """A call the job goes on without: the queue service rebuilds from storage."""
+        try:
+            call(*args)
+        except Exception as e:
+            self.say(f"the queue service: {short_error(e)}")
 
     def _deploy(self) -> None:
         self._check_stop()

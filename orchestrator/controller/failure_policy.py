@@ -28,6 +28,9 @@ class FaultKind(str, enum.Enum):
     PREEMPTED = "preempted"  # a node was drained with a preemption notice
     COMMAND_FAILED = "command_failed"  # a start command exited non-zero
     STOPPED = "stopped"  # by the user
+    # The queue gave its nodes to another job (scheduler/policy.py): back in the queue, not a
+    # fault of the job's or the cluster's, so no retry is used (controller/attempts.py).
+    PREEMPTED_BY_JOB = "preempted_by_job"
 
 
 INFRASTRUCTURE = frozenset({FaultKind.NODE_LOST, FaultKind.AGENT_LOST})

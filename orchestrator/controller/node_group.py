@@ -117,6 +117,9 @@ class NodeGroup(Protocol):
         """Place the job; `on_pending(reason)` each time the reason it waits changes.
         NodeGroupError when it cannot be placed within `timeout_s`."""
 
+    def placed_nodes(self) -> list[str]:
+        """The node of each rank's bundle, as reserved."""
+
     def create(self) -> None:
         """Start the agents (and the rendezvous and uploaders) in the placed bundles."""
 
@@ -246,6 +249,10 @@ class RayNodeGroup:
         )
         self.say(f"training cache: {self.cache_affinity}")
         return False
+
+    def placed_nodes(self) -> list[str]:
+        where = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
+        return [str(where[i]) for i in sorted(where)]
 
     # --- starting and preparing ------------------------------------------------------------
 

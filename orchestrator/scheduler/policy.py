@@ -18,8 +18,6 @@ out the `Decision`. The rules, in the order they apply:
    starting, nothing after it in the order starts until it has: what frees up meanwhile is held
    for it. Its wait is bounded by the jobs ahead of it and the running jobs' run times.
 5. A job that does not fit the cluster even empty can never start (unless the cluster autoscales).
-
-Not wired into push yet (issue 14 in progress): `priority` is still recorded only.
 """
 
 from __future__ import annotations
@@ -259,11 +257,18 @@ def never_fits(demand: Demand, nodes: Sequence[Node]) -> str:
     need = demand.total if demand.colocated else demand.bundle
     count = 1 if demand.colocated else demand.nodes
     fitting = sum(1 for n in nodes if need.fits_in(n.capacity))
-    return (
+    why = (
         f"needs {count} node{'s' if count > 1 else ''} with {need.describe()} each; "
         f"{fitting} of the cluster's {len(nodes)} nodes {'has' if fitting == 1 else 'have'} "
         "that much even when empty"
     )
+    have = sorted({k for n in nodes for k, v in n.capacity.amounts.items()
+                   if k.startswith(GPU_PREFIX) and v > 0})  # fmt: skip
+    for key in need.amounts:
+        if key.startswith(GPU_PREFIX) and key not in have:
+            names = ", ".join(k.removeprefix(GPU_PREFIX) for k in have) or "no GPUs"
+            why += f" (no node has {key.removeprefix(GPU_PREFIX)} GPUs; the cluster has {names})"
+    return why
 
 
 def _main_key(need: Resources) -> str:

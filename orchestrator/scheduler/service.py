@@ -1,26 +1,54 @@
-"""The queue service: one detached actor per cluster (`orchestrator-queue`) that admits jobs.
+"""The queue service: one detached actor per storage root (`orchestrator-queue-<hash>`) that
+admits jobs.
 
-Controllers `enqueue` their job and poll `admission` until it says admitted (or impossible),
-and `release` it when the job ends. Every change is written to the storage root
-(`QueueStore`) before it is answered, so a service that is killed and started again rebuilds
-the same queue: an admitted job stays admitted (never admitted twice), a queued one stays
-queued. Decisions are taken on each change and, while anyone polls, at most every `TICK_S`
-(resources free up without a call: a job's placement group going away, a node joining).
+Controllers `enqueue` their job, poll `admission` until it says admitted (or impossible), say
+where Ray `placed` it, and `release` it when the job ends; an admitted job polls `admission`
+too, for a `preemption`. Every change is written to the storage root (`QueueStore`) before it
+is answered, so a service that is killed and started again rebuilds the same queue: an admitted
+job stays admitted (never admitted twice), a queued one stays queued.
+
+A thread decides every `TICK_S` besides each change: resources free up without a call (a
+placement group going away, a node joining), clients' requests arrive as files (`capacity set`,
+`update --priority`), and a controller may die without a word: its Ray driver gone, its job is
+ended FAILED with the cause and what it held is released.
 """
 
 from __future__ import annotations
 
+import hashlib
+import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.cluster_view import nodes_from_ray, snapshot
-from orchestrator.scheduler.policy import DEFAULT_HOLD_AFTER_S, Decision, SchedulingPolicy
-from orchestrator.storage.queue_store import QueueEntry, QueueStore
+from orchestrator.scheduler.policy import (
+    DEFAULT_HOLD_AFTER_S,
+    Decision,
+    Node,
+    SchedulingPolicy,
+    Waiting,
+)
+from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.queue_store import (
+    NodeView,
+    QueueEntry,
+    QueueStore,
+    QueueView,
+    WaitingView,
+)
+from orchestrator.storage.records import Failure
 from orchestrator.storage.root import StorageRoot
 
-QUEUE_SERVICE_NAME = "orchestrator-queue"
 TICK_S = 1.0
+IDLE_EXIT_S = 60.0  # nothing queued or admitted this long: it ends; the next job starts it
+
+
+def queue_service_name(storage_root: str) -> str:
+    """One queue per storage root: a cluster shared through one root has one queue."""
+    return "orchestrator-queue-" + hashlib.sha256(storage_root.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -40,73 +68,154 @@ class Admission:
 class QueueService:
     def __init__(
         self, storage_root: str, hold_after_s: float = DEFAULT_HOLD_AFTER_S,
-        autoscaling: bool = False,
+        autoscaling: bool = False, tick_s: float = TICK_S,
     ) -> None:  # fmt: skip
-        self.store = QueueStore(StorageRoot(storage_root))
+        self.root = StorageRoot(storage_root)
+        self.store = QueueStore(self.root)
         self.entries = {e.job_id: e for e in self.store.entries()}  # rebuilt after a restart
         self.quotas = self.store.quotas()
         self.policy = SchedulingPolicy(hold_after_s)
         self.autoscaling = autoscaling
         self.last: Decision = Decision()
-        self.decided_at = 0.0
+        self.waiting: dict[str, Waiting] = {}
+        self.shown: QueueView | None = None
+        self.lock = threading.RLock()  # the methods (one at a time) and the ticking thread
+        self.tick_s = tick_s
+        threading.Thread(target=self._ticking, name="queue-tick", daemon=True).start()
+
+    # -- the controllers' calls -----------------------------------------------------------------
 
     def enqueue(self, entry: dict[str, Any]) -> dict[str, Any]:
         """Queue a job (again: its standing, unchanged) and decide at once."""
         job = QueueEntry.model_validate(entry)
-        if job.job_id not in self.entries:
-            self.store.put(job)
-            self.entries[job.job_id] = job
-            self._decide()
-        return self.admission(job.job_id)
+        with self.lock:
+            if job.job_id not in self.entries:
+                self._put(job)
+                self._decide()
+            return self.admission(job.job_id)
 
     def admission(self, job_id: str) -> dict[str, Any]:
-        if time.monotonic() - self.decided_at >= TICK_S:
-            self._decide()
-        return asdict(self._standing(job_id))
+        with self.lock:
+            return asdict(self._standing(job_id))
+
+    def placed(self, job_id: str, nodes: list[str]) -> None:
+        """Where Ray put the job's bundles (not always the nodes it was admitted to)."""
+        with self.lock:
+            entry = self.entries.get(job_id)
+            if entry is not None and entry.placed_on != nodes:
+                self._put(entry.model_copy(update={"placed_on": list(nodes)}))
 
     def release(self, job_id: str) -> None:
         """The job ended, was stopped while queued, or left after a preemption."""
-        if self.entries.pop(job_id, None) is not None:
-            self.store.remove(job_id)
-            self._decide()
+        with self.lock:
+            if self.entries.pop(job_id, None) is not None:
+                self.store.remove(job_id)
+                self._decide()
 
     def requeue(self, job_id: str) -> dict[str, Any]:
         """A preempted job that flushed and let go: back in the queue, keeping its push time."""
-        entry = self.entries.get(job_id)
-        if entry is not None and entry.state == "admitted":
-            self._put(entry.model_copy(update={
-                "state": "queued", "placed_on": [], "borrowed": False, "admitted_at": None,
-                "preemption": None,
-            }))  # fmt: skip
-            self._decide()
-        return self.admission(job_id)
+        with self.lock:
+            entry = self.entries.get(job_id)
+            if entry is not None and entry.state == "admitted":
+                self._put(entry.model_copy(update={
+                    "state": "queued", "placed_on": [], "borrowed": False, "admitted_at": None,
+                    "preemption": None,
+                }))  # fmt: skip
+                self._decide()
+            return self.admission(job_id)
+
+    # -- what clients ask through the storage root (and tests directly) ---------------------------
 
     def update_priority(self, job_id: str, priority: int) -> dict[str, Any]:
-        entry = self.entries.get(job_id)
-        if entry is None or entry.state != "queued":
-            raise ValueError(f"job {job_id} is not waiting in the queue: only a queued job's "
-                             "priority can change")  # fmt: skip
-        self._put(entry.model_copy(update={"priority": priority}))
-        self._decide()
-        return self.admission(job_id)
+        with self.lock:
+            entry = self.entries.get(job_id)
+            if entry is None or entry.state != "queued":
+                raise ValueError(f"job {job_id} is not waiting in the queue: only a queued "
+                                 "job's priority can change")  # fmt: skip
+            self._put(entry.model_copy(update={"priority": priority}))
+            self._decide()
+            return self.admission(job_id)
 
     def set_quota(self, team: str, limits: dict[str, float] | None) -> dict[str, Any]:
-        self.quotas = self.store.set_quota(team, limits)
-        self._decide()
-        return self.quotas
+        with self.lock:
+            self.quotas = self.store.set_quota(team, limits)
+            self._decide()
+            return self.quotas
 
     def view(self) -> dict[str, Any]:
-        """Everything `orchestrator queue` and `capacity view` show."""
-        self._decide()
-        return {
-            "quotas": self.quotas,
-            "entries": [
-                {**e.model_dump(mode="json"), "standing": asdict(self._standing(e.job_id))}
-                for e in self.entries.values()
-            ],
-        }
+        """The queue as `orchestrator queue` shows it, decided now."""
+        with self.lock:
+            self._decide()
+            return {
+                "quotas": self.quotas,
+                "entries": [
+                    {**e.model_dump(mode="json"), "standing": asdict(self._standing(e.job_id))}
+                    for e in self.entries.values()
+                ],
+            }
 
     # -- inside ---------------------------------------------------------------------------------
+
+    def _ticking(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            time.sleep(self.tick_s)
+            try:
+                with self.lock:
+                    if self.entries:
+                        idle_since = time.monotonic()
+                        self._tick()
+                    elif time.monotonic() - idle_since > IDLE_EXIT_S:
+                        break  # under the lock: no call is half answered
+            except Exception:  # a storage outage, a GCS hiccup: said, and tried again
+                traceback.print_exc()
+        import ray
+
+        ray.kill(ray.get_runtime_context().current_actor)  # its name is free for the next one
+
+    def _tick(self) -> None:
+        for request in self.store.take_requests():
+            entry = self.entries.get(request.job_id)
+            if entry is not None and entry.state == "queued":
+                self._put(entry.model_copy(update={"priority": request.priority}))
+        self.quotas = self.store.quotas()
+        self._end_orphans()
+        self._decide()
+
+    def _end_orphans(self) -> None:
+        """Jobs whose controller died (its Ray driver is gone) end FAILED, and let go."""
+        import ray
+
+        drivers = {j["JobID"]: j for j in ray._private.state.jobs()}
+        for entry in list(self.entries.values()):
+            if entry.ray_job_id is None:
+                continue
+            driver = drivers.get(entry.ray_job_id)
+            if driver is not None and not driver.get("IsDead"):
+                continue
+            self._fail_orphan(entry)
+            self.entries.pop(entry.job_id, None)
+            self.store.remove(entry.job_id)
+
+    def _fail_orphan(self, entry: QueueEntry) -> None:
+        jobs = JobStore(self.root)
+        try:
+            status = jobs.status(entry.job_id)
+        except FileNotFoundError:
+            return
+        if status.state.is_terminal:  # it recorded its end and died before letting go
+            return
+        where = "while waiting in the queue" if entry.state == "queued" else (
+            f"while {status.state.value}"
+        )  # fmt: skip
+        cause = (
+            f"the job's controller (Ray job {entry.submission_id or entry.job_id}) died "
+            f"{where} without recording an end: its Ray job was stopped or killed, or the head "
+            "node restarted; what it held was released"
+        )
+        jobs.put_status(status.moved_to(JobState.FAILED, cause).model_copy(
+            update={"failure": Failure(cause=cause)}
+        ))  # fmt: skip
 
     def _put(self, entry: QueueEntry) -> None:
         self.store.put(entry)  # durable first: a restart must find what was answered
@@ -129,7 +238,31 @@ class QueueService:
             victim = self.entries.get(preempt.victim)
             if victim is not None and victim.preemption is None:
                 self._put(victim.model_copy(update={"preemption": preempt.reason}))
-        self.last, self.decided_at = decision, time.monotonic()
+        self.last = decision
+        self.waiting = {w.job_id: w for w in decision.waiting}
+        self._show(decision, snap.nodes, now)
+
+    def _show(self, decision: Decision, nodes: list[Node] | Any, now: float) -> None:
+        """queue/view.json for clients, rewritten only when what it says changed."""
+        view = QueueView(
+            decided_at=now,
+            waiting=[
+                WaitingView(job_id=w.job_id, position=w.position, reason=w.reason)
+                for w in decision.waiting
+            ],
+            impossible=dict(decision.impossible),
+            nodes=[
+                NodeView(
+                    node_id=n.node_id, capacity=dict(n.capacity.amounts), free=dict(n.free.amounts)
+                )
+                for n in nodes
+            ],
+        )
+        if self.shown is None or view.model_dump(exclude={"decided_at"}) != self.shown.model_dump(
+            exclude={"decided_at"}
+        ):
+            self.store.write_view(view)
+            self.shown = view
 
     def _standing(self, job_id: str) -> Admission:
         entry = self.entries.get(job_id)
@@ -140,18 +273,19 @@ class QueueService:
                              borrowed=entry.borrowed, preemption=entry.preemption)  # fmt: skip
         if job_id in self.last.impossible:
             return Admission("impossible", reason=self.last.impossible[job_id])
-        for waiting in self.last.waiting:
-            if waiting.job_id == job_id:
-                return Admission("queued", waiting.position, waiting.reason)
+        if (waiting := self.waiting.get(job_id)) is not None:
+            return Admission("queued", waiting.position, waiting.reason)
         return Admission("queued", reason="not yet considered")
 
 
 def start_queue_service(
-    storage_root: str, hold_after_s: float = DEFAULT_HOLD_AFTER_S, autoscaling: bool = False
-) -> Any:
-    """The cluster's queue service, started on this node (the head) if it is not running; the
-    arguments count only for the call that starts it."""
+    storage_root: str, hold_after_s: float = DEFAULT_HOLD_AFTER_S, autoscaling: bool = False,
+    tick_s: float = TICK_S,
+) -> Any:  # fmt: skip
+    """The storage root's queue service, started on this node (the head) if it is not running;
+    the other arguments count only for the call that starts it."""
     from orchestrator.agents.services import shared_actor
 
-    return shared_actor(QueueService, QUEUE_SERVICE_NAME, pinned_here=True, max_concurrency=1,
-                        args=(storage_root, hold_after_s, autoscaling))  # fmt: skip
+    return shared_actor(QueueService, queue_service_name(storage_root), pinned_here=True,
+                        max_concurrency=1,
+                        args=(storage_root, hold_after_s, autoscaling, tick_s))  # fmt: skip

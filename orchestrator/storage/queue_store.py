@@ -1,10 +1,16 @@
 """The job queue's durable state in the storage root: teams' quotas and each queued or admitted job.
 
-queue/quotas.json            {team: {"GPU:H100": 16, "CPU": 128, "memory": bytes}}
-queue/entries/<job_id>.json  QueueEntry, rewritten on every change, removed when the job leaves
+queue/quotas.json             {team: {"GPU:H100": 16, "CPU": 128, "memory": bytes}}; written by
+                              `capacity set` (the client), read by the service each tick
+queue/entries/<job_id>.json   QueueEntry, rewritten on every change, removed when the job leaves
+queue/requests/<job_id>.json  PriorityRequest from `update --priority`, taken by the service
+queue/view.json               QueueView: the service's last decision (positions, reasons) and
+                              the cluster's nodes, for `queue` and `capacity view`
 
 The queue service keeps its state in memory and writes each change here first, so a restarted
 service (or head node) rebuilds the same queue: nothing admitted twice, nothing forgotten.
+Clients never call the service (a laptop reaches only the dashboard and the storage root): they
+write requests and read what the service wrote.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from orchestrator.storage.root import StorageRoot
 
 QUOTAS = "queue/quotas.json"
 ENTRIES = "queue/entries"
+REQUESTS = "queue/requests"
+VIEW = "queue/view.json"
 
 Quotas = dict[str, dict[str, float]]
 
@@ -39,6 +47,38 @@ class QueueEntry(BaseModel):
     borrowed: bool = False
     admitted_at: float | None = None
     preemption: str | None = None  # asked to leave: "preempted by <job>: <why>"
+    ray_job_id: str | None = None  # the controller's Ray driver: gone while listed = it died
+    submission_id: str | None = None  # the Ray job (the dashboard's id) running the controller
+    prefer: list[str] = Field(default_factory=list)  # nodes to place on first (its cache)
+
+
+class PriorityRequest(BaseModel):
+    job_id: str
+    priority: int
+    at: float
+
+
+class WaitingView(BaseModel):
+    job_id: str
+    position: int
+    reason: str
+
+
+class NodeView(BaseModel):
+    node_id: str
+    capacity: dict[str, float]
+    free: dict[str, float]
+
+
+class QueueView(BaseModel):
+    """What the service decided last, as clients read it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    decided_at: float = 0.0
+    waiting: list[WaitingView] = Field(default_factory=list)
+    impossible: dict[str, str] = Field(default_factory=dict)  # job id -> why
+    nodes: list[NodeView] = Field(default_factory=list)
 
 
 class QueueStore:
@@ -79,6 +119,44 @@ class QueueStore:
                 except FileNotFoundError:  # removed while listed
                     continue
         return sorted(found, key=lambda e: (e.pushed_at, e.job_id))
+
+    def entry(self, job_id: str) -> QueueEntry | None:
+        try:
+            return QueueEntry.model_validate_json(self.root.read_bytes(_entry(job_id)))
+        except FileNotFoundError:
+            return None
+
+    # -- requests and the view: between clients and the service -------------------------------
+
+    def request_priority(self, job_id: str, priority: int, at: float) -> None:
+        request = PriorityRequest(job_id=job_id, priority=priority, at=at)
+        self.root.write_bytes(f"{REQUESTS}/{job_id}.json", request.model_dump_json().encode())
+
+    def request_pending(self, job_id: str) -> bool:
+        return self.root.exists(f"{REQUESTS}/{job_id}.json")
+
+    def take_requests(self) -> list[PriorityRequest]:
+        """The service's side: every request, removed as it is read."""
+        taken = []
+        for name in self.root.list_names(REQUESTS):
+            rel = f"{REQUESTS}/{name}"
+            try:
+                taken.append(PriorityRequest.model_validate_json(self.root.read_bytes(rel)))
+            except FileNotFoundError:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                self.root.retry.call(self.root.fs.rm, self.root.path(rel))
+        return sorted(taken, key=lambda r: r.at)
+
+    def write_view(self, view: QueueView) -> None:
+        self.root.write_bytes(VIEW, view.model_dump_json().encode())
+
+    def view(self) -> QueueView | None:
+        """None: no service has decided anything in this storage root yet."""
+        try:
+            return QueueView.model_validate_json(self.root.read_bytes(VIEW))
+        except FileNotFoundError:
+            return None
 
 
 def _entry(job_id: str) -> str:

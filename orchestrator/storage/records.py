@@ -66,6 +66,7 @@ class JobRecord(_Record):
     checkpoint_upload: UploadSettings = Field(default_factory=UploadSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)  # riding out outages
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    queue_timeout_s: float | None = None  # longest wait in the cluster's queue; None: no limit
     notices: list[str] = Field(default_factory=list)
 
     @property

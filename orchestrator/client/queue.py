@@ -1,0 +1,194 @@
+"""The job queue from a client: teams' quotas, what waits and why, a waiting job's priority.
+
+Clients never call the queue service: they write quotas and priority requests into the storage
+root and read the entries and the view the service writes there (`storage/queue_store.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from orchestrator.client.connection import storage
+from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.lifecycle import JobState
+from orchestrator.scheduler.resources import GPU_PREFIX, Resources, describe, total
+from orchestrator.spec.accelerators import Accelerator
+from orchestrator.spec.base import parse_memory
+from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.queue_store import REQUESTS, QueueEntry, QueueStore, Quotas
+
+NO_TEAM = "(no team)"
+NOT_CONSIDERED = "not yet considered by the queue service"
+_POLL_S = 0.1
+
+
+def accelerator_type(name: str) -> str:
+    """An accelerator type as the queue keys it ("h100" -> "H100"); ConfigError if unknown."""
+    for member in Accelerator:
+        if name.strip().lower() in (member.value.lower(), member.name.lower()):
+            return member.value
+    valid = ", ".join(m.value for m in Accelerator)
+    raise ConfigError(f"{name!r} is not an accelerator type: use one of {valid}")
+
+
+def set_capacity(
+    team: str,
+    gpus: Mapping[str, float] | None = None,
+    cpus: float | None = None,
+    memory: str | int | None = None,
+    *,
+    storage_root: str | None = None,
+) -> Quotas:
+    """Replace `team`'s quota: GPUs per accelerator type (`{"H100": 16}`), CPUs, memory ("512Gi"
+    or bytes). No limit at all removes the quota: the team is unlimited. Returns every quota."""
+    if not team.strip():
+        raise ConfigError("a quota needs a team name")
+    limits: dict[str, float] = {}
+    for name, count in (gpus or {}).items():
+        limits[GPU_PREFIX + accelerator_type(name)] = _amount(f"gpus[{name}]", count)
+    if cpus is not None:
+        limits["CPU"] = _amount("cpus", cpus)
+    if memory is not None:
+        limits["memory"] = _amount("memory", _memory_bytes(memory))
+    return QueueStore(storage(storage_root)).set_quota(team, limits or None)
+
+
+def capacity(*, storage_root: str | None = None) -> dict[str, Any]:
+    """Each team's quota, what its admitted jobs hold and its queued jobs ask for; the cluster's
+    totals and free resources as the queue service last saw them (empty before it has)."""
+    store = QueueStore(storage(storage_root))
+    quotas = store.quotas()
+    entries = store.entries()
+    teams: dict[str, dict[str, Any]] = {}
+    for team in sorted({*quotas, *(e.team or NO_TEAM for e in entries)}):
+        mine = [e for e in entries if (e.team or NO_TEAM) == team]
+        running = [e for e in mine if e.state == "admitted"]
+        queued = [e for e in mine if e.state == "queued"]
+        teams[team] = {
+            "quota": quotas.get(team, {}),
+            "in_use": dict(_demand(running).amounts),
+            "queued": dict(_demand(queued).amounts),
+            "jobs_running": len(running),
+            "jobs_queued": len(queued),
+        }
+    view = store.view()
+    nodes = view.nodes if view else []
+    cluster_total = total(Resources(n.capacity) for n in nodes).amounts
+    cluster_free = total(Resources(n.free) for n in nodes).amounts
+
+    def amounts(key: str) -> dict[str, float]:
+        return {"total": cluster_total.get(key, 0.0), "free": cluster_free.get(key, 0.0)}
+
+    gpu_keys = [k for k in sorted(cluster_total) if k.startswith(GPU_PREFIX)]
+    return {
+        "teams": teams,
+        "accelerators": {key.removeprefix(GPU_PREFIX): amounts(key) for key in gpu_keys},
+        "cpus": amounts("CPU") if nodes else {},
+        "memory": amounts("memory") if nodes else {},
+        "decided_at": view.decided_at if view else None,
+    }
+
+
+def queue(*, include_running: bool = False, storage_root: str | None = None) -> list[dict]:
+    """The jobs waiting, next to start first: each with its position, why it waits and what it
+    needs; then the impossible ones (they fit no node). `include_running`: admitted jobs
+    first."""
+    store = QueueStore(storage(storage_root))
+    view = store.view()
+    waiting = {w.job_id: w for w in view.waiting} if view else {}
+    impossible = view.impossible if view else {}
+    rows: list[tuple[tuple[int, int], dict]] = []  # (tier, position): sorted stably
+    for e in store.entries():  # oldest push first
+        if e.state == "admitted":
+            if include_running:
+                rows.append(((0, 0), _row(e, "admitted", None, e.preemption or "")))
+        elif e.job_id in impossible:
+            rows.append(((3, 0), _row(e, "impossible", None, impossible[e.job_id])))
+        elif e.job_id in waiting:
+            w = waiting[e.job_id]
+            rows.append(((1, w.position), _row(e, "queued", w.position, w.reason)))
+        else:
+            rows.append(((2, 0), _row(e, "queued", None, NOT_CONSIDERED)))
+    return [row for _, row in sorted(rows, key=lambda r: r[0])]
+
+
+def update_priority(
+    job_id: str, priority: int, *, storage_root: str | None = None, timeout_s: float = 15.0
+) -> int:
+    """Change a PENDING job's priority while it waits in the queue (as Baseten's `truss train
+    update`). The queue service applies it; this waits until it has, up to `timeout_s`."""
+    root = storage(storage_root)
+    state = JobStore(root).status(job_id).state
+    store = QueueStore(root)
+    entry = store.entry(job_id)
+    if state != JobState.PENDING or entry is None or entry.state != "queued":
+        standing = state.value
+        if state == JobState.PENDING:
+            standing += " but admitted already" if entry else " but not in the queue"
+        raise OrchestratorError(f"job {job_id} is {standing}: only a PENDING job waiting in the "
+                                "queue can be re-prioritised")  # fmt: skip
+    store.request_priority(job_id, priority, time.time())
+    deadline = time.monotonic() + timeout_s
+    while store.request_pending(job_id):
+        if time.monotonic() >= deadline:
+            raise OrchestratorError(
+                f"no queue service took the request within {timeout_s:g} s (is a job controller "
+                f"running on the cluster?); it stays in {root.url}/{REQUESTS} and is applied "
+                "when one does"
+            )
+        time.sleep(_POLL_S)
+    # Taken: the service writes the entry just after, unless the job left the queue meanwhile.
+    entry = store.entry(job_id)
+    while _still_applying(entry, priority) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        entry = store.entry(job_id)
+    if entry is not None and entry.priority == priority:
+        return priority
+    if entry is not None and entry.state == "queued":
+        raise OrchestratorError(f"the queue service took the request but job {job_id}'s "
+                                f"priority is still {entry.priority}")  # fmt: skip
+    raise OrchestratorError(f"job {job_id} left the queue before its priority change was "
+                            "applied: it has started or ended")  # fmt: skip
+
+
+def demand_text(entry: QueueEntry) -> str:
+    """ "2 x (8 H100, 16 CPU, 64.0 GiB memory)": nodes and each one's share, as `validate`."""
+    return f"{entry.nodes} x ({describe(entry.bundle)})"
+
+
+def _row(entry: QueueEntry, state: str, position: int | None, reason: str) -> dict:
+    return {
+        "job_id": entry.job_id,
+        "team": entry.team,
+        "priority": entry.priority,
+        "pushed_at": entry.pushed_at,
+        "position": position,
+        "reason": reason,
+        "demand": demand_text(entry),
+        "state": state,
+    }
+
+
+def _demand(entries: list[QueueEntry]) -> Resources:
+    return total(Resources(e.bundle) * e.nodes for e in entries)
+
+
+def _still_applying(entry: QueueEntry | None, priority: int) -> bool:
+    return entry is not None and entry.state == "queued" and entry.priority != priority
+
+
+def _memory_bytes(memory: str | int) -> int:
+    if isinstance(memory, int):
+        return memory
+    try:
+        return parse_memory(memory)
+    except ValueError as e:
+        raise ConfigError(f"memory: {e}") from None
+
+
+def _amount(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"{name}: {value!r} is not a count: give a number, 0 or more")
+    return float(value)

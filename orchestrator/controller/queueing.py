@@ -1,0 +1,156 @@
+"""The job's place in the cluster's queue, from its controller: wait to be admitted, say where
+Ray placed it, notice a preemption, go back in line, let go at the end.
+
+The queue itself is the storage root's queue service (scheduler/service.py). A service that
+dies is started again and rebuilds the queue from the storage root; the call is simply made
+again. A fake queue stands in for it in the controller's tests (tests/test_controller.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from orchestrator import settings
+from orchestrator.scheduler.cluster_view import bundle_of
+from orchestrator.storage.queue_store import QueueEntry
+from orchestrator.storage.records import JobRecord
+
+POLL_S = 0.25  # a queued job asks whether it is admitted this often
+PREEMPTION_POLL_S = 1.0  # a running job asks whether it must give way this often
+CALL_TIMEOUT_S = 30.0
+CALL_TRIES = 3
+
+
+class NeverFits(Exception):
+    """The job does not fit this cluster even when it is empty."""
+
+
+class QueueTimeout(Exception):
+    """The job waited in the queue longer than its queue timeout."""
+
+
+class QueueUnavailable(Exception):
+    """The queue service could not be reached or started."""
+
+
+class JobQueue(Protocol):
+    def wait_admitted(
+        self, timeout_s: float | None, on_pending: Callable[[str], None],
+        check_stop: Callable[[], None],
+    ) -> bool:  # fmt: skip
+        """Until the job may reserve its nodes; whether it is borrowing capacity. NeverFits,
+        QueueTimeout; a stop (check_stop) ends the wait."""
+
+    def placed(self, node_ids: list[str]) -> None: ...
+
+    def preemption(self) -> str | None:
+        """ "preempted by <job>: why" once the job must give way (asked at most every
+        PREEMPTION_POLL_S)."""
+
+    def requeue(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+def queue_entry(record: JobRecord, ray_job_id: str | None) -> QueueEntry:
+    compute = record.spec.job.compute
+    return QueueEntry(
+        job_id=record.job_id,
+        team=record.team,
+        priority=record.spec.job.priority or 0,
+        pushed_at=record.created_at,
+        bundle=bundle_of(compute),
+        nodes=compute.node_count,
+        colocated=record.colocate_ranks and compute.node_count > 1,
+        ray_job_id=ray_job_id,
+        submission_id=os.environ.get("RAY_JOB_SUBMISSION_ID") or record.job_id,
+    )
+
+
+class RayJobQueue:
+    """The storage root's queue service, called from the controller (the head node)."""
+
+    def __init__(self, record: JobRecord, say: Callable[[str], None]) -> None:
+        import ray
+
+        self.record = record
+        self.say = say
+        self.entry = queue_entry(record, ray.get_runtime_context().get_job_id())
+        self.service: Any = None
+        self.next_look = 0.0
+        self.enqueued = False
+
+    def wait_admitted(
+        self, timeout_s: float | None, on_pending: Callable[[str], None],
+        check_stop: Callable[[], None],
+    ) -> bool:  # fmt: skip
+        standing = self._call("enqueue", self.entry.model_dump())
+        self.enqueued = True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        shown = None
+        while standing["state"] != "admitted":
+            if standing["state"] == "impossible":
+                raise NeverFits(standing["reason"])
+            if standing["state"] == "unknown":  # let go of meanwhile (never by this job)
+                standing = self._call("enqueue", self.entry.model_dump())
+                continue
+            where = f" (position {standing['position']})" if standing["position"] else ""
+            reason = f"waiting in the queue{where}: {standing['reason']}"
+            if reason != shown:
+                on_pending(reason)
+                shown = reason
+            check_stop()
+            if deadline is not None and time.monotonic() > deadline:
+                raise QueueTimeout(
+                    f"waited in the queue longer than its {timeout_s:g} s queue timeout "
+                    f"({settings.QUEUE_TIMEOUT_S.name}): {standing['reason']}"
+                )
+            time.sleep(POLL_S)
+            standing = self._call("admission", self.record.job_id)
+        return bool(standing["borrowed"])
+
+    def placed(self, node_ids: list[str]) -> None:
+        self._call("placed", self.record.job_id, node_ids)
+
+    def preemption(self) -> str | None:
+        if time.monotonic() < self.next_look:
+            return None
+        self.next_look = time.monotonic() + PREEMPTION_POLL_S
+        try:
+            return self._call("admission", self.record.job_id)["preemption"]
+        except QueueUnavailable as e:  # the job runs on; asked again later
+            self.say(str(e))
+            return None
+
+    def requeue(self) -> None:
+        self._call("requeue", self.record.job_id)
+
+    def release(self) -> None:
+        if self.enqueued:
+            self._call("release", self.record.job_id)
+            self.enqueued = False
+
+    def _call(self, method: str, *args: Any) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        from orchestrator.scheduler.service import start_queue_service
+
+        error: Exception | None = None
+        for _ in range(CALL_TRIES):
+            if self.service is None:
+                self.service = start_queue_service(
+                    self.record.storage_root,
+                    settings.QUEUE_HOLD_AFTER_S.get(),
+                    settings.CLUSTER_AUTOSCALES.get(),
+                )
+            try:
+                return ray.get(getattr(self.service, method).remote(*args), timeout=CALL_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError) as e:  # gone or stuck: started again
+                error, self.service = e, None
+                self.say(f"the queue service did not answer ({type(e).__name__}): asking again")
+                time.sleep(1.0)
+        raise QueueUnavailable(f"the queue service did not answer {CALL_TRIES} times: {error}")
