@@ -1,0 +1,271 @@
+"""The job queue on a simulated GPU cluster: a head and four workers with 2 H100 each, two teams
+with quotas. Real Ray, real controllers (each job a Ray job), one queue service per storage root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+from conftest import eventually, make_job, simulated_cluster
+from ray.cluster_utils import Cluster
+
+from orchestrator.agents.services import NAMESPACE
+from orchestrator.client.api import push
+from orchestrator.client.jobs import JobHandle
+from orchestrator.client.queue import queue, set_capacity, update_priority
+from orchestrator.lifecycle import JobState
+from orchestrator.scheduler.service import queue_service_name, start_queue_service
+from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.queue_store import QueueEntry, QueueStore
+from orchestrator.storage.root import StorageRoot
+
+WORKERS = 4
+
+
+@pytest.fixture(scope="module")
+def h100s(orchestrator_home) -> Iterator[tuple[Cluster, str]]:
+    cluster, dashboard_url = simulated_cluster()
+    try:
+        for _ in range(WORKERS):
+            cluster.add_node(num_cpus=2, num_gpus=2, resources={"accelerator_type:H100": 1})
+        cluster.wait_for_nodes()
+        yield cluster, dashboard_url
+    finally:
+        cluster.shutdown()
+
+
+@contextlib.contextmanager
+def connected(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process as a driver of the simulated cluster (to find or kill the queue service)."""
+    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def job(directory: Path, command: str, *, team: str | None = None, nodes: int = 1,
+        priority: int = 0, checkpoints: bool = False, files: dict | None = None,
+        ) -> Path:  # fmt: skip
+    return make_job(
+        directory,
+        f"""
+        from truss_train import definitions as d
+        project = d.TrainingProject(
+            name="queue", team_name={team!r},
+            job=d.TrainingJob(
+                image=d.Image(base_image="python:3.11"), priority={priority},
+                compute=d.Compute(node_count={nodes}, cpu_count=1, memory="128Mi",
+                                  accelerator="H100:2"),
+                runtime=d.Runtime(start_commands=[{command!r}],
+                                  checkpointing_config=d.CheckpointingConfig(enabled={checkpoints})),
+            ),
+        )
+        """,
+        files,
+    )
+
+
+def running_at(handle: JobHandle) -> float:
+    return next(e.at for e in handle.details().history if e.state == JobState.RUNNING)
+
+
+def deploys(handle: JobHandle) -> int:
+    return sum(1 for e in handle.details().history if e.state == JobState.DEPLOYING)
+
+
+WAIT_FOR_GATE = (
+    "python -c \"import pathlib,time\nwhile not pathlib.Path('{gate}').exists(): time.sleep(0.1)\""
+)
+
+
+def test_the_queue_orders_by_priority_then_push_and_survives_its_service(
+    h100s, tmp_path, monkeypatch
+):
+    cluster, address = h100s
+    root = str(tmp_path / "storage")
+    gate = tmp_path / "gate"
+    blocker = push(job(tmp_path / "blocker", WAIT_FOR_GATE.format(gate=gate), nodes=4),
+                   address=address, storage_root=root)  # fmt: skip
+    eventually(lambda: blocker.status() == JobState.RUNNING, "the blocker to run", 60)
+    pushed = {}
+    for name, priority in (("first", 0), ("second", 0), ("urgent", 5)):  # 3 nodes: one at a time
+        pushed[name] = push(job(tmp_path / name, "sleep 0.2", team="vision", nodes=3,
+                                priority=priority), address=address, storage_root=root)  # fmt: skip
+    ids = {handle.id: name for name, handle in pushed.items()}
+
+    def order() -> list[str]:
+        return [ids[row["job_id"]] for row in queue(storage_root=root) if row["position"]]
+
+    eventually(lambda: order() == ["urgent", "first", "second"], "the queue's order", 60)
+    why = (
+        "waiting in the queue (position 3): needs 3 nodes with 2 H100, 1 CPU, 128.0 MiB memory "
+        "free: 0 such nodes free"
+    )
+    eventually(lambda: pushed["second"].details().history[-1].reason == why, "its reason", 30)
+    assert pushed["second"].status() == JobState.PENDING
+    assert update_priority(pushed["second"].id, 9, storage_root=root) == 9  # PENDING: allowed
+    eventually(lambda: order() == ["second", "urgent", "first"], "the new order", 30)
+    with pytest.raises(Exception, match="only a PENDING job"):
+        update_priority(blocker.id, 9, storage_root=root)
+
+    with connected(cluster, monkeypatch):  # the service dies; the controllers start another
+        name = queue_service_name(root)
+        old = ray.get_actor(name, namespace=NAMESPACE)
+        ray.kill(old)
+        eventually(lambda: _actor_id(name) not in (None, old._actor_id), "a new service", 30)
+    assert order() == ["second", "urgent", "first"]  # rebuilt from the storage root
+
+    gate.touch()
+    for handle in (blocker, *pushed.values()):
+        assert handle.wait(timeout=120) == JobState.COMPLETED, handle.logs()
+    started = sorted(pushed, key=lambda name: running_at(pushed[name]))
+    assert started == ["second", "urgent", "first"]
+    assert all(deploys(handle) == 1 for handle in pushed.values())  # admitted once each
+    assert QueueStore(StorageRoot(root)).entries() == []  # every job let go
+
+
+def _actor_id(name: str):
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)._actor_id
+    except ValueError:
+        return None
+
+
+TRAIN = """
+import os, pathlib, signal, sys, time
+from orchestrator import mark_checkpoint_complete
+attempt = int(os.environ["BT_RETRY_COUNT"])
+ck = pathlib.Path(os.environ["BT_CHECKPOINT_DIR"])
+done = [int(p.name.split("-")[1]) for p in ck.glob("checkpoint-*") if (p / "state").exists()]
+step = max(done, default=0)
+print(f"attempt {attempt} resumes at step {step}", flush=True)
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+
+def save(step):
+    path = ck / f"checkpoint-{step}"
+    path.mkdir()
+    (path / "state").write_text(str(step))
+    mark_checkpoint_complete(path)
+
+while not stop and (attempt == 0 or step < max(done) + 2):
+    time.sleep(0.2)
+    if stop:
+        break
+    step += 1
+    if step % 5 == 0 or attempt > 0:
+        save(step)
+if stop:
+    save(step + 1000)  # what it had when told to give way
+    print("saved on SIGTERM", flush=True)
+    sys.exit(143)
+print(f"finished at step {step}", flush=True)
+"""
+
+
+def test_a_borrowing_job_gives_way_to_its_owners_and_resumes_from_its_checkpoint(h100s, tmp_path):
+    _, address = h100s
+    root = str(tmp_path / "storage")
+    set_capacity("vision", gpus={"H100": 4}, storage_root=root)  # 2 nodes each
+    set_capacity("nlp", gpus={"H100": 4}, storage_root=root)
+    gate = tmp_path / "gate"
+    own = push(job(tmp_path / "own", WAIT_FOR_GATE.format(gate=gate), team="vision", nodes=2),
+               address=address, storage_root=root)  # fmt: skip
+    eventually(lambda: own.status() == JobState.RUNNING, "vision's own job to run", 60)
+    borrower = push(job(tmp_path / "borrower", "python train.py", team="vision", nodes=2,
+                        checkpoints=True, files={"train.py": TRAIN}),
+                    address=address, storage_root=root)  # fmt: skip
+    eventually(lambda: any("checkpoint-5" in line for line in borrower.logs()),
+               "the borrower's first checkpoint", 60)  # fmt: skip
+    assert any("borrowed" in line for line in borrower.logs())  # nlp is idle: vision borrows it
+
+    owner = push(job(tmp_path / "owner", "sleep 0.2", team="nlp", nodes=2),
+                 address=address, storage_root=root)  # fmt: skip
+    assert owner.wait(timeout=120) == JobState.COMPLETED, owner.logs()
+    assert borrower.wait(timeout=120) == JobState.COMPLETED, borrower.logs()
+    gate.touch()
+    assert own.wait(timeout=60) == JobState.COMPLETED
+
+    details = borrower.details()
+    first, second = details.attempts
+    assert first.cause == "preempted_by_job"
+    assert first.reason.startswith(f"preempted by {owner.id}: borrowed capacity")
+    assert second.resumed_from is not None
+    saved = int(second.resumed_from.split("-")[1])
+    assert saved > 1000  # the checkpoint it wrote when told to give way
+    assert f"attempt 1 resumes at step {saved}" in "\n".join(borrower.logs())
+    states = [e.state for e in details.history]
+    assert states.count(JobState.RUNNING) == 2 and JobState.PENDING in states[states.index(
+        JobState.RUNNING):]  # fmt: skip
+    said = "\n".join(owner.logs())  # each PENDING reason as it changed
+    assert f"PENDING: waiting in the queue (position 1): preempting {borrower.id}" in said
+    assert own.details().attempts[0].cause is None  # within its quota: never preempted
+
+
+def test_a_controller_that_dies_ends_its_job_failed_and_lets_go(h100s, tmp_path):
+    _, address = h100s
+    root = str(tmp_path / "storage")
+    victim = push(job(tmp_path / "victim", "sleep 300", nodes=4), address=address,
+                  storage_root=root)  # fmt: skip
+    eventually(lambda: victim.status() == JobState.RUNNING, "the job to run", 60)
+    after = push(job(tmp_path / "after", "sleep 0.1", nodes=4), address=address, storage_root=root)
+    eventually(lambda: after.status() == JobState.PENDING, "the next job to wait", 60)
+
+    pid = victim._client().get_job_info(victim.id).driver_info.pid  # the controller we started
+    os.kill(int(pid), signal.SIGKILL)
+    stored = JobStore(StorageRoot(root))  # as stored, before any client looks at Ray's view
+    eventually(lambda: stored.status(victim.id).state == JobState.FAILED, "FAILED", 60)
+    cause = stored.status(victim.id).failure.cause
+    assert cause.startswith(f"the job's controller (Ray job {victim.id}) died while RUNNING")
+    assert after.wait(timeout=90) == JobState.COMPLETED  # what the dead one held was let go
+
+
+def test_fifty_small_jobs_from_three_teams_all_run_within_their_quotas(
+    h100s, tmp_path, monkeypatch
+):
+    """The service alone (each job's controller played by this test): every job admitted once,
+    none lost, and a team beyond its quota only on capacity lent as borrowed."""
+    cluster, _ = h100s
+    root = str(tmp_path / "storage")
+    quotas = {"a": 4, "b": 2, "c": 2}
+    store = QueueStore(StorageRoot(root))
+    for team, gpus in quotas.items():
+        store.set_quota(team, {"GPU:H100": gpus})
+    with connected(cluster, monkeypatch):
+        service = start_queue_service(root, tick_s=0.1)
+        for i in range(50):
+            team = "abc"[i % 3]
+            entry = QueueEntry(job_id=f"j{i:02d}", team=team, pushed_at=float(i),
+                               bundle={"CPU": 1, "GPU:H100": 1 + i % 2})  # fmt: skip
+            ray.get(service.enqueue.remote(entry.model_dump()))
+        admitted: dict[str, float] = {}
+        finished: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(finished) < 50:
+            assert time.monotonic() < deadline, f"{50 - len(finished)} jobs never ran"
+            view = ray.get(service.view.remote())["entries"]
+            in_use = {team: 0.0 for team in quotas}
+            for e in view:
+                if e["state"] != "admitted":
+                    continue
+                assert e["job_id"] not in finished  # never admitted again
+                admitted.setdefault(e["job_id"], time.monotonic())
+                if not e["borrowed"]:
+                    in_use[e["team"]] += e["bundle"]["GPU:H100"]
+            assert all(in_use[t] <= quotas[t] for t in quotas), in_use  # owned: within quota
+            for job_id, since in list(admitted.items()):
+                if job_id not in finished and time.monotonic() - since > 0.3:  # it ran
+                    ray.get(service.release.remote(job_id))
+                    finished.add(job_id)
+            time.sleep(0.05)
+        assert ray.get(service.view.remote())["entries"] == []
+        ray.kill(service)
