@@ -347,6 +347,31 @@ def test_a_checkpoint_deleted_during_its_upload_is_abandoned_cleanly(root, tmp_p
     assert root.list_names("checkpoints/p/j/rank-0/checkpoint-1") == []
 
 
+def test_a_checkpoint_made_and_deleted_between_two_scans_is_still_accounted_for(root, tmp_path):
+    """A trainer with save_total_limit can save and rotate a checkpoint away faster than a scan
+    (0.1 s): the job's end still says what became of it, not nothing."""
+    local = tmp_path / "ckpts"
+    up = uploader(root, local, settle_s=0)
+    (local / "checkpoint-1").mkdir()  # as the Trainer does: created in place, filled, rotated
+    (local / "checkpoint-1" / "w.bin").write_bytes(b"gone at once")
+    shutil.rmtree(local / "checkpoint-1")  # well within one scan
+    write_checkpoint(local / "checkpoint-2", {"w.bin": b"kept"})
+    result = up.flush(timeout=60, clean=True)
+    assert states(result) == {"checkpoint-1": "deleted", "checkpoint-2": "uploaded"}
+    assert "deleted by the job before it was uploaded" in reasons(result)["checkpoint-1"]
+    assert any("checkpoint-1 was deleted by the job" in e for e in result.events)
+
+
+def test_a_directory_staged_and_renamed_within_one_scan_is_not_called_deleted(root, tmp_path):
+    local = tmp_path / "ckpts"
+    up = uploader(root, local, settle_s=0)
+    (local / "staging").mkdir()  # a writer's own staging name, renamed at once
+    (local / "staging" / "w.bin").write_bytes(b"step 5")
+    (local / "staging").rename(local / "checkpoint-5")
+    result = up.flush(timeout=60, clean=True)
+    assert states(result) == {"checkpoint-5": "uploaded"}
+
+
 def test_an_empty_directory_is_never_a_checkpoint(tmp_path):
     root = StorageRoot(tmp_path / "root")
     local = tmp_path / "ckpts"

@@ -22,8 +22,7 @@ project = d.TrainingProject(
     job=d.TrainingJob(
         image=d.Image(base_image="python:3.11"),
         name="sleepy",
-        priority=1,  # recorded only: push warns, and -o json must stay JSON
-        compute=d.Compute(memory="256Mi"),
+        compute=d.Compute(memory="256Mi", availability_model="spot"),  # push warns: JSON stays
         runtime=d.Runtime(start_commands=["python -u sleepy.py"]),
     ),
 )
@@ -45,7 +44,7 @@ def test_push_view_logs_and_stop_the_most_recent_job(tmp_path, storage_root):
     assert pushed.returncode == 0, pushed.stderr
     announced = json.loads(pushed.stdout)
     job_id = announced["training_job"]["id"]
-    assert any(w.startswith("priority is recorded only") for w in announced["warnings"])
+    assert any(w.startswith("availability_model spot is recorded") for w in announced["warnings"])
     job = get_job(job_id, storage_root=storage_root)
 
     deadline = time.monotonic() + 60

@@ -292,4 +292,4 @@ def test_a_gang_larger_than_the_cluster_fails_at_once_with_a_reason(tmp_path, st
     assert job.wait(timeout=60) == JobState.DEPLOY_FAILED
     failure = job.details().failure
     assert failure is not None and "needs 2 nodes with 1 CPU" in failure.cause
-    assert "1 of 1 alive node has that much in total" in failure.cause
+    assert "1 of the cluster's 1 node has that much even when empty" in failure.cause

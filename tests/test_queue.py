@@ -124,6 +124,15 @@ def test_the_queue_orders_by_priority_then_push_and_survives_its_service(
         eventually(lambda: _actor_id(name) not in (None, old._actor_id), "a new service", 30)
     assert order() == ["second", "urgent", "first"]  # rebuilt from the storage root
 
+    stopped = push(job(tmp_path / "stopped", "echo never", nodes=3), address=address,
+                   storage_root=root)  # fmt: skip
+    eventually(lambda: stopped.status() == JobState.PENDING, "the fourth job to queue", 60)
+    assert stopped.stop() == JobState.STOPPED
+    assert deploys(stopped) == 0 and not any("never" in line for line in stopped.logs())
+    queued = QueueStore(StorageRoot(root))
+    eventually(lambda: stopped.id not in {e.job_id for e in queued.entries()},
+               "the stopped job to leave the queue", 30)  # fmt: skip
+
     gate.touch()
     for handle in (blocker, *pushed.values()):
         assert handle.wait(timeout=120) == JobState.COMPLETED, handle.logs()

@@ -8,6 +8,7 @@ happens on delete and rewrite) are in docs/architecture.md#the-checkpoint-upload
 
 from __future__ import annotations
 
+import fnmatch
 import shutil
 import threading
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.agents.checkpoint_rules import (
+    TEMPORARY_PATTERNS,
     EntryKind,
     open_for_writing,
     read_earlier_checkpoints,
@@ -246,7 +248,9 @@ class CheckpointUploader:
                 self._check_volume()
             self._open_writers = None
             renamed = self._renames.renamed() if self._renames else set()
+            appeared = self._renames.appeared() if self._renames else set()
             entries = top_level(self.local_dir, self.settings.temporary_patterns)
+            self._notice_vanished(appeared - set(entries))
             self.ignored = {n: k for n, k in self.ignored.items() if entries.get(n) == k}
             for name, kind in entries.items():
                 if kind not in (EntryKind.CHECKPOINT, EntryKind.HIDDEN):
@@ -416,6 +420,19 @@ class CheckpointUploader:
             f"checkpoint {name} was deleted during its upload (a trainer's save_total_limit?): "
             f"upload abandoned, nothing partial kept{kept}"
         )
+
+    def _notice_vanished(self, names: set[str]) -> None:
+        """Checkpoints made and deleted between two scans (seen only by inotify)."""
+        patterns = (*TEMPORARY_PATTERNS, *self.settings.temporary_patterns)
+        for name in sorted(names):
+            if (
+                name in self.tracked or name in self.earlier or name in self.restored
+                or name.startswith(".") or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+            ):  # fmt: skip
+                continue
+            t = self.tracked[name] = _Tracked()
+            t.gone = "deleted by the job before it was uploaded (it existed for less than a scan)"
+            self._event(f"{name} was {t.gone}")
 
     def _notice_deleted(self, entries: dict[str, EntryKind]) -> None:
         for name, t in self.tracked.items():

@@ -1,8 +1,10 @@
-"""Directories renamed into a directory, told by Linux inotify the moment it happens.
+"""Directories renamed into (or created in) a directory, told by Linux inotify the moment it
+happens.
 
-A rename is how careful writers commit a checkpoint, so the uploader starts on it at once.
-Where inotify is missing (not Linux) or its queue overflowed, nothing is reported and the
-uploader's settle time decides instead.
+A rename is how careful writers commit a checkpoint, so the uploader starts on it at once. A
+directory created and deleted between two of the uploader's scans (a trainer rotating checkpoints
+faster than that) is still known to have been there. Where inotify is missing (not Linux) or its
+queue overflowed, nothing is reported: the uploader's settle time and scans decide instead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class RenameWatch:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._inotify: Any = None
+        self._appeared: set[str] = set()
         self._open()
 
     def _open(self) -> None:
@@ -28,7 +31,8 @@ class RenameWatch:
             return
         watch = INotify(nonblocking=True)
         try:
-            watch.add_watch(self.directory, flags.MOVED_TO | flags.ONLYDIR)
+            mask = flags.MOVED_TO | flags.MOVED_FROM | flags.CREATE | flags.ONLYDIR
+            watch.add_watch(self.directory, mask)
         except OSError:
             watch.close()
             return
@@ -44,8 +48,19 @@ class RenameWatch:
             if event.mask & (flags.IGNORED | flags.Q_OVERFLOW):
                 self.close()  # the directory went away, or events were lost: start again
                 return names
-            if event.mask & flags.MOVED_TO and event.mask & flags.ISDIR:
+            if not event.mask & flags.ISDIR:
+                continue
+            if event.mask & flags.MOVED_FROM:  # renamed away (staged, then committed): not lost
+                self._appeared.discard(event.name)
+                continue
+            self._appeared.add(event.name)
+            if event.mask & flags.MOVED_TO:
                 names.add(event.name)
+        return names
+
+    def appeared(self) -> set[str]:
+        """Names of directories created or moved in since the last call (read by `renamed`)."""
+        names, self._appeared = self._appeared, set()
         return names
 
     def close(self) -> None:

@@ -89,6 +89,4 @@ def check_support(job: TrainingJob) -> SupportReport:
         notices.append(
             "availability_model spot is recorded only: Ray places the job like any other"
         )
-    if job.priority is not None:
-        notices.append("priority is recorded only: Ray starts jobs as soon as resources allow")
     return SupportReport(errors=tuple(errors), notices=tuple(notices))

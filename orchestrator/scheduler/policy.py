@@ -259,7 +259,8 @@ def never_fits(demand: Demand, nodes: Sequence[Node]) -> str:
     fitting = sum(1 for n in nodes if need.fits_in(n.capacity))
     why = (
         f"needs {count} node{'s' if count > 1 else ''} with {need.describe()} each; "
-        f"{fitting} of the cluster's {len(nodes)} nodes {'has' if fitting == 1 else 'have'} "
+        f"{fitting} of the cluster's {len(nodes)} node{'' if len(nodes) == 1 else 's'} "
+        f"{'has' if fitting == 1 else 'have'} "
         "that much even when empty"
     )
     have = sorted({k for n in nodes for k, v in n.capacity.amounts.items()
