@@ -21,7 +21,7 @@ from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.queue import queue, set_capacity, update_priority
 from orchestrator.lifecycle import JobState
-from orchestrator.scheduler.service import queue_service_name, start_queue_service
+from orchestrator.scheduler.service import QUEUE_SERVICE_NAME, start_queue_service
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.queue_store import QueueEntry, QueueStore
 from orchestrator.storage.root import StorageRoot
@@ -118,7 +118,7 @@ def test_the_queue_orders_by_priority_then_push_and_survives_its_service(
         update_priority(blocker.id, 9, storage_root=root)
 
     with connected(cluster, monkeypatch):  # the service dies; the controllers start another
-        name = queue_service_name(root)
+        name = QUEUE_SERVICE_NAME
         old = ray.get_actor(name, namespace=NAMESPACE)
         ray.kill(old)
         eventually(lambda: _actor_id(name) not in (None, old._actor_id), "a new service", 30)
@@ -250,18 +250,18 @@ def test_fifty_small_jobs_from_three_teams_all_run_within_their_quotas(
     for team, gpus in quotas.items():
         store.set_quota(team, {"GPU:H100": gpus})
     with connected(cluster, monkeypatch):
-        service = start_queue_service(root, tick_s=0.1)
+        service = start_queue_service(tick_s=0.1)
         for i in range(50):
             team = "abc"[i % 3]
             entry = QueueEntry(job_id=f"j{i:02d}", team=team, pushed_at=float(i),
                                bundle={"CPU": 1, "GPU:H100": 1 + i % 2})  # fmt: skip
-            ray.get(service.enqueue.remote(entry.model_dump()))
+            ray.get(service.enqueue.remote(root, entry.model_dump()))
         admitted: dict[str, float] = {}
         finished: set[str] = set()
         deadline = time.monotonic() + 60
         while len(finished) < 50:
             assert time.monotonic() < deadline, f"{50 - len(finished)} jobs never ran"
-            view = ray.get(service.view.remote())["entries"]
+            view = ray.get(service.view.remote(root))["entries"]
             in_use = {team: 0.0 for team in quotas}
             for e in view:
                 if e["state"] != "admitted":
@@ -273,8 +273,8 @@ def test_fifty_small_jobs_from_three_teams_all_run_within_their_quotas(
             assert all(in_use[t] <= quotas[t] for t in quotas), in_use  # owned: within quota
             for job_id, since in list(admitted.items()):
                 if job_id not in finished and time.monotonic() - since > 0.3:  # it ran
-                    ray.get(service.release.remote(job_id))
+                    ray.get(service.release.remote(root, job_id))
                     finished.add(job_id)
             time.sleep(0.05)
-        assert ray.get(service.view.remote())["entries"] == []
+        assert ray.get(service.view.remote(root))["entries"] == []
         ray.kill(service)

@@ -13,7 +13,7 @@ from conftest import ray_driver
 
 from orchestrator.agents.secret_service import NAMESPACE
 from orchestrator.cluster.local import LocalClusterInfo
-from orchestrator.scheduler.service import queue_service_name, start_queue_service
+from orchestrator.scheduler.service import QUEUE_SERVICE_NAME, start_queue_service
 from orchestrator.storage.queue_store import QueueEntry, QueueStore
 from orchestrator.storage.root import StorageRoot
 
@@ -24,10 +24,8 @@ def driver(ray_cluster: LocalClusterInfo, monkeypatch: pytest.MonkeyPatch) -> It
         try:
             yield
         finally:
-            for actor in ray.util.list_named_actors(all_namespaces=True):
-                if actor["name"].startswith("orchestrator-queue-"):  # the ones this test started
-                    with contextlib.suppress(ValueError):
-                        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            with contextlib.suppress(ValueError):  # started by this test, or rebuilt by the next
+                ray.kill(ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE))
 
 
 def entry(job_id: str, cpus: float, at: float) -> dict:
@@ -37,41 +35,42 @@ def entry(job_id: str, cpus: float, at: float) -> dict:
 def test_a_killed_service_comes_back_with_the_same_queue(driver, tmp_path):
     cpus = max(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
     root = str(tmp_path / "root")
-    service = start_queue_service(root)
-    first = ray.get(service.enqueue.remote(entry("a", 1, 1.0)))
+    service = start_queue_service()
+    first = ray.get(service.enqueue.remote(root, entry("a", 1, 1.0)))
     assert first["state"] == "admitted" and len(first["placed_on"]) == 1  # at once
-    waiting = ray.get(service.enqueue.remote(entry("c", cpus, 2.0)))
+    waiting = ray.get(service.enqueue.remote(root, entry("c", cpus, 2.0)))
     assert waiting["state"] == "queued" and waiting["position"] == 1
     assert waiting["reason"] == f"needs 1 node with {cpus:g} CPU free: 0 such nodes free"
-    never = ray.get(service.enqueue.remote(entry("b", cpus + 100, 3.0)))
+    never = ray.get(service.enqueue.remote(root, entry("b", cpus + 100, 3.0)))
     assert never["state"] == "impossible" and "even when empty" in never["reason"]
 
     ray.kill(service)
     deadline = time.monotonic() + 30
     while True:  # the name is free once the old actor is gone
         try:
-            ray.get_actor(queue_service_name(root), namespace=NAMESPACE)
+            ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
         except ValueError:
             break
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    again = start_queue_service(root)
-    assert ray.get(again.admission.remote("a")) == first  # still admitted, not admitted again
-    assert ray.get(again.enqueue.remote(entry("a", 1, 1.0)))["placed_on"] == first["placed_on"]
-    assert ray.get(again.admission.remote("c"))["state"] == "queued"
-    ray.get(again.release.remote("a"))
-    assert ray.get(again.admission.remote("c"))["state"] == "admitted"
-    assert ray.get(again.admission.remote("a"))["state"] == "unknown"
+    again = start_queue_service()
+    assert ray.get(again.admission.remote(root, "a")) == first  # still admitted, not admitted again
+    same = ray.get(again.enqueue.remote(root, entry("a", 1, 1.0)))
+    assert same["placed_on"] == first["placed_on"]
+    assert ray.get(again.admission.remote(root, "c"))["state"] == "queued"
+    ray.get(again.release.remote(root, "a"))
+    assert ray.get(again.admission.remote(root, "c"))["state"] == "admitted"
+    assert ray.get(again.admission.remote(root, "a"))["state"] == "unknown"
 
     # Only a waiting job's priority changes; a preempted job goes back keeping its push time.
     with pytest.raises(ray.exceptions.RayTaskError, match="not waiting in the queue"):
-        ray.get(again.update_priority.remote("c", 9))
-    ray.get(again.enqueue.remote(entry("d", 1, 4.0)))
-    moved = ray.get(again.update_priority.remote("d", 7))
+        ray.get(again.update_priority.remote(root, "c", 9))
+    ray.get(again.enqueue.remote(root, entry("d", 1, 4.0)))
+    moved = ray.get(again.update_priority.remote(root, "d", 7))
     assert moved["state"] == "queued" and moved["position"] == 1
-    back = ray.get(again.requeue.remote("c"))  # preempted: d (priority 7) now goes first
+    back = ray.get(again.requeue.remote(root, "c"))  # preempted: d (priority 7) now goes first
     assert back["state"] == "queued"
-    assert ray.get(again.admission.remote("d"))["state"] == "admitted"
-    view = {e["job_id"]: e for e in ray.get(again.view.remote())["entries"]}
+    assert ray.get(again.admission.remote(root, "d"))["state"] == "admitted"
+    view = {e["job_id"]: e for e in ray.get(again.view.remote(root))["entries"]}
     assert view["d"]["priority"] == 7 and view["c"]["pushed_at"] == 2.0
     assert [e.job_id for e in QueueStore(StorageRoot(root)).entries()] == ["c", "b", "d"]

@@ -143,12 +143,11 @@ class RayJobQueue:
         for _ in range(CALL_TRIES):
             if self.service is None:
                 self.service = start_queue_service(
-                    self.record.storage_root,
-                    settings.QUEUE_HOLD_AFTER_S.get(),
-                    settings.CLUSTER_AUTOSCALES.get(),
+                    settings.QUEUE_HOLD_AFTER_S.get(), settings.CLUSTER_AUTOSCALES.get()
                 )
             try:
-                return ray.get(getattr(self.service, method).remote(*args), timeout=CALL_TIMEOUT_S)
+                call = getattr(self.service, method).remote(self.record.storage_root, *args)
+                return ray.get(call, timeout=CALL_TIMEOUT_S)
             except (RayActorError, GetTimeoutError) as e:  # gone or stuck: started again
                 error, self.service = e, None
                 self.say(f"the queue service did not answer ({type(e).__name__}): asking again")

@@ -1,21 +1,21 @@
-"""The queue service: one detached actor per storage root (`orchestrator-queue-<hash>`) that
-admits jobs.
+"""The queue service: one detached actor per cluster (`orchestrator-queue`, on the head) that
+admits jobs, with one queue per storage root (`RootQueue`).
 
 Controllers `enqueue` their job, poll `admission` until it says admitted (or impossible), say
 where Ray `placed` it, and `release` it when the job ends; an admitted job polls `admission`
 too, for a `preemption`. Every change is written to the storage root (`QueueStore`) before it
-is answered, so a service that is killed and started again rebuilds the same queue: an admitted
+is answered, so a service that is killed and started again rebuilds the same queues: an admitted
 job stays admitted (never admitted twice), a queued one stays queued.
 
 A thread decides every `TICK_S` besides each change: resources free up without a call (a
 placement group going away, a node joining), clients' requests arrive as files (`capacity set`,
 `update --priority`), and a controller may die without a word: its Ray driver gone, its job is
-ended FAILED with the cause and what it held is released.
+ended FAILED with the cause and what it held is released. Each root has its own lock, so a
+storage root that hangs (an outage) holds up only its own queue.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 import traceback
@@ -42,13 +42,10 @@ from orchestrator.storage.queue_store import (
 from orchestrator.storage.records import Failure
 from orchestrator.storage.root import StorageRoot
 
+QUEUE_SERVICE_NAME = "orchestrator-queue"
 TICK_S = 1.0
-IDLE_EXIT_S = 60.0  # nothing queued or admitted this long: it ends; the next job starts it
-
-
-def queue_service_name(storage_root: str) -> str:
-    """One queue per storage root: a cluster shared through one root has one queue."""
-    return "orchestrator-queue-" + hashlib.sha256(storage_root.encode()).hexdigest()[:12]
+IDLE_DROP_S = 60.0  # a root with nothing queued or admitted this long is forgotten (memory)
+IDLE_EXIT_S = 3600.0  # no root at all this long: the actor ends; the next job starts it again
 
 
 @dataclass(frozen=True)
@@ -65,10 +62,12 @@ class Admission:
     preemption: str | None = None
 
 
-class QueueService:
+class RootQueue:
+    """The queue of one storage root: its entries and quotas in memory, stored there first."""
+
     def __init__(
         self, storage_root: str, hold_after_s: float = DEFAULT_HOLD_AFTER_S,
-        autoscaling: bool = False, tick_s: float = TICK_S,
+        autoscaling: bool = False,
     ) -> None:  # fmt: skip
         self.root = StorageRoot(storage_root)
         self.store = QueueStore(self.root)
@@ -79,9 +78,8 @@ class QueueService:
         self.last: Decision = Decision()
         self.waiting: dict[str, Waiting] = {}
         self.shown: QueueView | None = None
-        self.lock = threading.RLock()  # the methods (one at a time) and the ticking thread
-        self.tick_s = tick_s
-        threading.Thread(target=self._ticking, name="queue-tick", daemon=True).start()
+        self.lock = threading.RLock()  # the calls and the ticking thread
+        self.idle_since = time.monotonic()
 
     # -- the controllers' calls -----------------------------------------------------------------
 
@@ -156,24 +154,8 @@ class QueueService:
 
     # -- inside ---------------------------------------------------------------------------------
 
-    def _ticking(self) -> None:
-        idle_since = time.monotonic()
-        while True:
-            time.sleep(self.tick_s)
-            try:
-                with self.lock:
-                    if self.entries:
-                        idle_since = time.monotonic()
-                        self._tick()
-                    elif time.monotonic() - idle_since > IDLE_EXIT_S:
-                        break  # under the lock: no call is half answered
-            except Exception:  # a storage outage, a GCS hiccup: said, and tried again
-                traceback.print_exc()
-        import ray
-
-        ray.kill(ray.get_runtime_context().current_actor)  # its name is free for the next one
-
-    def _tick(self) -> None:
+    def tick(self) -> None:
+        """What no call brings: requests, quotas, dead controllers, resources freed."""
         for request in self.store.take_requests():
             entry = self.entries.get(request.job_id)
             if entry is not None and entry.state == "queued":
@@ -278,14 +260,84 @@ class QueueService:
         return Admission("queued", reason="not yet considered")
 
 
+class QueueService:
+    """The cluster's queue service: every call names its storage root's queue."""
+
+    def __init__(
+        self, hold_after_s: float = DEFAULT_HOLD_AFTER_S, autoscaling: bool = False,
+        tick_s: float = TICK_S,
+    ) -> None:  # fmt: skip
+        self.hold_after_s, self.autoscaling, self.tick_s = hold_after_s, autoscaling, tick_s
+        self.queues: dict[str, RootQueue] = {}
+        self.lock = threading.Lock()  # the dict only
+        threading.Thread(target=self._ticking, name="queue-tick", daemon=True).start()
+
+    def enqueue(self, root: str, entry: dict[str, Any]) -> dict[str, Any]:
+        return self._queue(root).enqueue(entry)
+
+    def admission(self, root: str, job_id: str) -> dict[str, Any]:
+        return self._queue(root).admission(job_id)
+
+    def placed(self, root: str, job_id: str, nodes: list[str]) -> None:
+        self._queue(root).placed(job_id, nodes)
+
+    def release(self, root: str, job_id: str) -> None:
+        self._queue(root).release(job_id)
+
+    def requeue(self, root: str, job_id: str) -> dict[str, Any]:
+        return self._queue(root).requeue(job_id)
+
+    def update_priority(self, root: str, job_id: str, priority: int) -> dict[str, Any]:
+        return self._queue(root).update_priority(job_id, priority)
+
+    def set_quota(self, root: str, team: str, limits: dict[str, float] | None) -> dict[str, Any]:
+        return self._queue(root).set_quota(team, limits)
+
+    def view(self, root: str) -> dict[str, Any]:
+        return self._queue(root).view()
+
+    def _queue(self, root: str) -> RootQueue:
+        with self.lock:
+            queue = self.queues.get(root)
+        if queue is None:  # read from the storage root outside the dict's lock
+            fresh = RootQueue(root, self.hold_after_s, self.autoscaling)
+            with self.lock:
+                queue = self.queues.setdefault(root, fresh)
+        return queue
+
+    def _ticking(self) -> None:
+        alone_since = time.monotonic()
+        while True:
+            time.sleep(self.tick_s)
+            with self.lock:
+                queues = list(self.queues.items())
+            for root, queue in queues:
+                try:
+                    with queue.lock:
+                        if queue.entries:
+                            queue.idle_since = time.monotonic()
+                            queue.tick()
+                        elif time.monotonic() - queue.idle_since > IDLE_DROP_S:
+                            with self.lock:
+                                del self.queues[root]  # its state is all in the storage root
+                except Exception:  # a storage outage, a GCS hiccup: said, and tried again
+                    traceback.print_exc()
+            with self.lock:
+                if self.queues:
+                    alone_since = time.monotonic()
+                elif time.monotonic() - alone_since > IDLE_EXIT_S:
+                    break
+        import ray
+
+        ray.kill(ray.get_runtime_context().current_actor)  # its name is free for the next one
+
+
 def start_queue_service(
-    storage_root: str, hold_after_s: float = DEFAULT_HOLD_AFTER_S, autoscaling: bool = False,
-    tick_s: float = TICK_S,
-) -> Any:  # fmt: skip
-    """The storage root's queue service, started on this node (the head) if it is not running;
-    the other arguments count only for the call that starts it."""
+    hold_after_s: float = DEFAULT_HOLD_AFTER_S, autoscaling: bool = False, tick_s: float = TICK_S
+) -> Any:
+    """The cluster's queue service, started on this node (the head) if it is not running; the
+    arguments count only for the call that starts it."""
     from orchestrator.agents.services import shared_actor
 
-    return shared_actor(QueueService, queue_service_name(storage_root), pinned_here=True,
-                        max_concurrency=1,
-                        args=(storage_root, hold_after_s, autoscaling, tick_s))  # fmt: skip
+    return shared_actor(QueueService, QUEUE_SERVICE_NAME, pinned_here=True, max_concurrency=16,
+                        args=(hold_after_s, autoscaling, tick_s))  # fmt: skip
