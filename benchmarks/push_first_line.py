@@ -84,14 +84,14 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 import orchestrator.controller.controller
-from orchestrator.agents.node_agent import NodeAgent
+from orchestrator.agents.node_agent import TERMINAL_GROUP, TERMINAL_THREADS, NodeAgent
 t_imported = time.time()
 ray.init(address="auto", namespace="bench-first-line", log_to_driver=False)
 t_connected = time.time()
 pg = placement_group([{"CPU": 1, "memory": 512 * 2**20}], strategy="PACK")
 ray.get(pg.ready())
 t_placed = time.time()
-agent = ray.remote(NodeAgent).options(
+agent = ray.remote(concurrency_groups={TERMINAL_GROUP: TERMINAL_THREADS})(NodeAgent).options(
     num_cpus=1, memory=512 * 2**20,
     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
 ).remote("probe", 0, sys.argv[1])

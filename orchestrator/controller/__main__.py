@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import threading
 
-from orchestrator.controller.controller import run_controller
+import ray
+
+from orchestrator.agents.services import NAMESPACE
+
+QUEUE_SERVICE_NAME = "orchestrator-queue"  # scheduler/service.py's, without importing it here
+
+
+def reach_queue_service(storage_root: str, job_id: str) -> None:
+    """A new driver's first call to an actor waits ~80 ms for the actor's address; made while
+    the controller's modules import, the job's admission is then one call of ~2 ms. (None on a
+    cluster's first job: the controller starts the service.)"""
+    with contextlib.suppress(Exception):
+        service = ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
+        ray.get(service.admission.remote(storage_root, job_id), timeout=30)
+
 
 parser = argparse.ArgumentParser(prog="python -m orchestrator.controller")
 parser.add_argument("--job-id", required=True)
 parser.add_argument("--storage-root", required=True)
 parser.add_argument("--scheduling-timeout", type=float, default=600.0)
 args = parser.parse_args()
+ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+threading.Thread(target=reach_queue_service, args=(args.storage_root, args.job_id),
+                 daemon=True).start()  # fmt: skip
+
+from orchestrator.controller.controller import run_controller  # noqa: E402 (after the thread)
+
 sys.exit(run_controller(args.job_id, args.storage_root, args.scheduling_timeout))

@@ -337,7 +337,14 @@ def start_queue_service(
 ) -> Any:
     """The cluster's queue service, started on this node (the head) if it is not running; the
     arguments count only for the call that starts it."""
-    from orchestrator.agents.services import shared_actor
+    import ray
+
+    from orchestrator.agents.services import NAMESPACE, shared_actor
+
+    try:  # found by name: a GCS lookup, without exporting the class from this driver (~40 ms)
+        return ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
+    except ValueError:
+        pass
 
     return shared_actor(QueueService, QUEUE_SERVICE_NAME, pinned_here=True, max_concurrency=16,
                         args=(hold_after_s, autoscaling, tick_s))  # fmt: skip
