@@ -340,7 +340,7 @@ def test_the_ddp_recipe_loses_a_node_and_ends_with_the_uninterrupted_accuracy(st
     reaches exactly the accuracy of the uninterrupted run."""
     faults.ensure_workers(3)
     config = REPO / "recipes" / "multinode-ddp" / "config.py"
-    run = Overrides(entrypoint="bash ./run.sh --epochs 60 --checkpoint-every 5")
+    run = Overrides(entrypoint="bash ./run.sh --epochs 40 --checkpoint-every 5")
 
     def final_accuracy(job: JobHandle) -> str:
         final = [line for line in lines_of(job, 0) if "final test accuracy" in line]

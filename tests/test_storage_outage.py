@@ -90,7 +90,7 @@ def check_checkpoints(job: JobHandle, names: list[str], tmp_path: Path) -> None:
 
 def test_a_job_rides_out_a_storage_outage(tmp_path, s3_outage: S3Server, ray_cluster) -> None:
     root_url = s3_root()
-    job = push(steps_job(tmp_path, 80, (10, 70)), storage_root=root_url)
+    job = push(steps_job(tmp_path, 60, (10, 55)), storage_root=root_url)  # 30 s of steps
     tail = cli("logs", "--job-id", job.id, "--tail", "--storage-root", root_url)
     wait_for_step(job, 4)
     s3_outage.down()
@@ -109,8 +109,8 @@ def test_a_job_rides_out_a_storage_outage(tmp_path, s3_outage: S3Server, ray_clu
     finally:
         s3_outage.up()
     assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()[-20:]
-    assert stored_steps(job) == [f"{i:02d}" for i in range(80)]  # all, in order, once
-    check_checkpoints(job, ["checkpoint-10", "checkpoint-70"], tmp_path)
+    assert stored_steps(job) == [f"{i:02d}" for i in range(60)]  # all, in order, once
+    check_checkpoints(job, ["checkpoint-10", "checkpoint-55"], tmp_path)
     assert job.details().checkpoints.sync_status == "synced"
 
     log = ray_job_log(ray_cluster, job)
@@ -120,7 +120,7 @@ def test_a_job_rides_out_a_storage_outage(tmp_path, s3_outage: S3Server, ray_clu
     out, err = tail.communicate(timeout=60)
     assert tail.returncode == 0, err
     tailed = re.findall(r"\bstep (\d\d)$", out, flags=re.M)
-    assert tailed == [f"{i:02d}" for i in range(80)]
+    assert tailed == [f"{i:02d}" for i in range(60)]
     assert "unreachable since" in err and "reachable again" in err
     out, _ = view.communicate(timeout=60)
     reader.join(timeout=10)

@@ -263,6 +263,7 @@ class Attempts:
                 )
             except NodeGroupError as e:
                 raise Unrecoverable(str(e)) from None
+            job._queue_call(job.queue.placed, self.nodes.placed_nodes())  # a rank moved
             job.move(JobState.DEPLOYING, f"preparing rank(s) {', '.join(map(str, ranks))}")
             self._prepare_again(ranks, number)
         else:

@@ -1,9 +1,10 @@
 """The job's place in the cluster's queue, from its controller: wait to be admitted, say where
 Ray placed it, notice a preemption, go back in line, let go at the end.
 
-The queue itself is the storage root's queue service (scheduler/service.py). A service that
-dies is started again and rebuilds the queue from the storage root; the call is simply made
-again. A fake queue stands in for it in the controller's tests (tests/test_controller.py).
+The queue itself is the cluster's queue service (scheduler/service.py), which keeps one queue
+per storage root. A service that dies is started again and rebuilds the queues from the storage
+roots; the call is simply made again. A fake queue stands in for it in the controller's tests
+(tests/test_controller.py).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def queue_entry(record: JobRecord, ray_job_id: str | None) -> QueueEntry:
 
 
 class RayJobQueue:
-    """The storage root's queue service, called from the controller (the head node)."""
+    """The job's storage root's queue in the cluster's queue service, called from the
+    controller (on the head node)."""
 
     def __init__(self, record: JobRecord, say: Callable[[str], None]) -> None:
         import ray
