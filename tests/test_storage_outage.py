@@ -137,7 +137,7 @@ def test_an_outage_as_the_job_ends_loses_nothing(
     s3_outage.down()
     try:
         (tmp_path / "go").touch()  # the job writes its last checkpoint and ends meanwhile
-        time.sleep(30)  # longer than a few attempts of one request (~8 s each)
+        time.sleep(20)  # longer than two attempts of one request (~8 s each)
     finally:
         s3_outage.up()
     assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()[-20:]

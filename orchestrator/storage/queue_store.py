@@ -49,7 +49,6 @@ class QueueEntry(BaseModel):
     preemption: str | None = None  # asked to leave: "preempted by <job>: <why>"
     ray_job_id: str | None = None  # the controller's Ray driver: gone while listed = it died
     submission_id: str | None = None  # the Ray job (the dashboard's id) running the controller
-    prefer: list[str] = Field(default_factory=list)  # nodes to place on first (its cache)
 
 
 class PriorityRequest(BaseModel):
