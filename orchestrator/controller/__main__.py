@@ -10,8 +10,7 @@ import threading
 import ray
 
 from orchestrator.agents.services import NAMESPACE
-
-QUEUE_SERVICE_NAME = "orchestrator-queue"  # scheduler/service.py's, without importing it here
+from orchestrator.scheduler import QUEUE_SERVICE_NAME
 
 
 def reach_queue_service(storage_root: str, job_id: str) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator import settings
 from orchestrator.agents.messages import StartRequest
-from orchestrator.controller.checkpointing import RestoreFailed
+from orchestrator.controller.checkpointing import RestoreFailed, Uploaders
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.failure_policy import (
     Action,
@@ -274,11 +274,15 @@ class Attempts:
         if uploaders is None:
             return None
         uploaders.wait_ready()
+        return self._restore(uploaders, number)
+
+    def _restore(self, uploaders: Uploaders, number: int) -> str | None:
+        """Every rank at the job's resume point before attempt `number`; its checkpoint."""
         try:
-            resumed = uploaders.begin_attempt(number, job._check_stop)
+            resumed = uploaders.begin_attempt(number, self.job._check_stop)
         except RestoreFailed as e:
             raise Unrecoverable(str(e)) from None
-        job._say_lines(uploaders.poll()[0])
+        self.job._say_lines(uploaders.poll()[0])
         return resumed
 
     def _back_in_line(self, fault: Fault, number: int) -> str | None:
@@ -291,7 +295,9 @@ class Attempts:
         old.release(keep_checkpoints=unstored)  # what is not stored stays on its node
         job.nodes = self.nodes = job.node_group(job.record, job.say)
         job.move(JobState.PENDING, f"{fault.reason}; back in the queue")
-        job._queue_call(job.queue.requeue)
+        # Not a call to go on without: an entry still admitted (and marked preempted) would be
+        # admitted again at once and preempted again, over and over.
+        job.queue.requeue()
         job._admit()
         job._reserve()
         job._deploy()
@@ -300,12 +306,7 @@ class Attempts:
             job.say(f"no checkpointing: attempt {number} starts from the beginning")
             return None
         uploaders.carry(earlier)
-        try:
-            resumed = uploaders.begin_attempt(number, job._check_stop)
-        except RestoreFailed as e:
-            raise Unrecoverable(str(e)) from None
-        job._say_lines(uploaders.poll()[0])
-        return resumed
+        return self._restore(uploaders, number)
 
     def _to_replace(self, fault: Fault) -> list[int]:
         ranks = {r.rank for r in self.nodes.runs if r.lost is not None}

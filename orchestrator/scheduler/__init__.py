@@ -1,1 +1,3 @@
-"""The job queue of a shared cluster: priorities, team quotas, fair share, preemption."""
+"""The cluster's job queue: its policy (pure), its view of Ray, and its service actor."""
+
+QUEUE_SERVICE_NAME = "orchestrator-queue"  # the service actor, in the `orchestrator` namespace

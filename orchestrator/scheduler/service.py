@@ -19,10 +19,12 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from orchestrator.lifecycle import JobState
+from orchestrator.scheduler import QUEUE_SERVICE_NAME
 from orchestrator.scheduler.cluster_view import nodes_from_ray, snapshot
 from orchestrator.scheduler.policy import (
     DEFAULT_HOLD_AFTER_S,
@@ -42,7 +44,6 @@ from orchestrator.storage.queue_store import (
 from orchestrator.storage.records import Failure
 from orchestrator.storage.root import StorageRoot
 
-QUEUE_SERVICE_NAME = "orchestrator-queue"
 TICK_S = 1.0
 IDLE_DROP_S = 60.0  # a root with nothing queued or admitted this long is forgotten (memory)
 IDLE_EXIT_S = 3600.0  # no root at all this long: the actor ends; the next job starts it again
@@ -126,19 +127,11 @@ class RootQueue:
 
     def update_priority(self, job_id: str, priority: int) -> dict[str, Any]:
         with self.lock:
-            entry = self.entries.get(job_id)
-            if entry is None or entry.state != "queued":
+            if not self._reprioritise(job_id, priority):
                 raise ValueError(f"job {job_id} is not waiting in the queue: only a queued "
                                  "job's priority can change")  # fmt: skip
-            self._put(entry.model_copy(update={"priority": priority}))
             self._decide()
             return self.admission(job_id)
-
-    def set_quota(self, team: str, limits: dict[str, float] | None) -> dict[str, Any]:
-        with self.lock:
-            self.quotas = self.store.set_quota(team, limits)
-            self._decide()
-            return self.quotas
 
     def view(self) -> dict[str, Any]:
         """The queue as `orchestrator queue` shows it, decided now."""
@@ -157,12 +150,17 @@ class RootQueue:
     def tick(self) -> None:
         """What no call brings: requests, quotas, dead controllers, resources freed."""
         for request in self.store.take_requests():
-            entry = self.entries.get(request.job_id)
-            if entry is not None and entry.state == "queued":
-                self._put(entry.model_copy(update={"priority": request.priority}))
+            self._reprioritise(request.job_id, request.priority)  # one that left: dropped
         self.quotas = self.store.quotas()
         self._end_orphans()
         self._decide()
+
+    def _reprioritise(self, job_id: str, priority: int) -> bool:
+        entry = self.entries.get(job_id)
+        if entry is None or entry.state != "queued":
+            return False
+        self._put(entry.model_copy(update={"priority": priority}))
+        return True
 
     def _end_orphans(self) -> None:
         """Jobs whose controller died (its Ray driver is gone) end FAILED, and let go."""
@@ -224,7 +222,7 @@ class RootQueue:
         self.waiting = {w.job_id: w for w in decision.waiting}
         self._show(decision, snap.nodes, now)
 
-    def _show(self, decision: Decision, nodes: list[Node] | Any, now: float) -> None:
+    def _show(self, decision: Decision, nodes: Sequence[Node], now: float) -> None:
         """queue/view.json for clients, rewritten only when what it says changed."""
         view = QueueView(
             decided_at=now,
@@ -289,9 +287,6 @@ class QueueService:
 
     def update_priority(self, root: str, job_id: str, priority: int) -> dict[str, Any]:
         return self._queue(root).update_priority(job_id, priority)
-
-    def set_quota(self, root: str, team: str, limits: dict[str, float] | None) -> dict[str, Any]:
-        return self._queue(root).set_quota(team, limits)
 
     def view(self, root: str) -> dict[str, Any]:
         return self._queue(root).view()

@@ -138,6 +138,8 @@ class QueueStore:
         """The service's side: every request, removed as it is read."""
         taken = []
         for name in self.root.list_names(REQUESTS):
+            if not name.endswith(".json"):  # a local root's file still being written
+                continue
             rel = f"{REQUESTS}/{name}"
             try:
                 taken.append(PriorityRequest.model_validate_json(self.root.read_bytes(rel)))
