@@ -6,10 +6,13 @@ CUDA_VISIBLE_DEVICES from the declared GPUs though none exist.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +23,7 @@ import pytest
 import ray
 from conftest import make_job, simulated_cluster
 from ray.cluster_utils import Cluster
+from test_cli_checkpoints import cli
 
 from orchestrator.agents.cache_seeder import NODE_TRAINING_CACHE_DIR_ENV
 from orchestrator.agents.node_cache import CLUSTER_CACHE_DIR_ENV, NODE_CACHE_DIR_ENV
@@ -27,6 +31,10 @@ from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
 from orchestrator.lifecycle import JobState
+from orchestrator.storage.metrics import RankMetrics, read_job_metrics
+from orchestrator.storage.root import StorageRoot
+
+MiB = 2**20
 
 WORKERS = 3
 
@@ -310,3 +318,87 @@ def test_losing_a_node_fails_the_job_with_that_cause(tmp_path, storage_root, gpu
             time.sleep(0.2)
     finally:
         gpu_cluster.add_worker()
+
+
+# Burns a core and holds 300 MiB (every page touched) until the flag file appears.
+BURN_AND_HOLD = """
+import os, sys, time
+held = bytearray(300 * 2**20)
+held[::4096] = b"x" * len(range(0, len(held), 4096))
+print("burning", flush=True)
+deadline = time.time() + 150
+while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+    end = time.time() + 0.05
+    while time.time() < end:
+        pass
+"""
+
+
+def prometheus_lines(node, series: str, job_id: str) -> list[str]:
+    """The lines of `series` for `job_id` in the Prometheus text the node's Ray metrics agent
+    serves (what a Prometheus scraping the cluster reads)."""
+    url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return []
+    return [
+        line for line in text.splitlines()
+        if line.startswith(f"ray_{series}{{") and f'job_id="{job_id}"' in line
+    ]  # fmt: skip
+
+
+def test_each_rank_reports_cpu_and_memory_while_it_runs_and_to_prometheus(
+    tmp_path, storage_root, gpu_cluster, monkeypatch
+):
+    monkeypatch.setenv("ORCHESTRATOR_METRICS_INTERVAL_S", "1")
+    flag = tmp_path / "stop-burning"
+    files = {"burn.py": BURN_AND_HOLD}
+    config = gang_job(tmp_path / "job", f"python burn.py {flag}", files, project="metrics")
+    job = push(config, address=gpu_cluster.dashboard_url, storage_root=storage_root)
+    try:
+        wait_for_lines(job, {0: 1, 1: 1})
+        nodes = {n.rank: n for n in job.details().nodes}
+
+        def busy_ranks() -> dict[int, RankMetrics]:
+            ranks = {m.rank: m for m in read_job_metrics(StorageRoot(storage_root), job.id)}
+            return {
+                r: m for r, m in ranks.items()
+                if len(m.samples) >= 3 and m.samples[-1].memory_bytes >= 300 * MiB
+                and max(s.cpu_cores for s in m.samples) >= 0.3
+            }  # fmt: skip
+
+        deadline = time.monotonic() + 60
+        while set(busy := busy_ranks()) != {0, 1}:
+            assert time.monotonic() < deadline, read_job_metrics(StorageRoot(storage_root), job.id)
+            assert not job.status().is_terminal, job.logs()
+            time.sleep(0.5)
+        for rank, metrics in busy.items():
+            assert metrics.node_id == nodes[rank].node_id
+            assert metrics.memory_request_bytes == 512 * MiB and metrics.interval_s == 1.0
+        shown = json.loads(cli("metrics", "--job-id", job.id, "--storage-root", storage_root,
+                               "-o", "json").stdout)  # fmt: skip
+        assert {r["rank"] for r in shown["ranks"]} == {0, 1}
+        # Ray's metrics agent on each rank's node serves our series, tagged with the job.
+        deadline = time.monotonic() + 60
+        for rank, node in nodes.items():
+            raylet = gpu_cluster.node(node.node_id)
+            while not [
+                line for line in prometheus_lines(raylet, "orchestrator_job_memory_bytes", job.id)
+                if f'rank="{rank}"' in line and 'project="metrics"' in line
+                and float(line.rsplit(" ", 1)[1]) >= 300 * MiB
+            ]:  # fmt: skip
+                assert time.monotonic() < deadline, f"rank {rank}'s memory never reached Prometheus"
+                time.sleep(1)
+            assert prometheus_lines(raylet, "orchestrator_job_cpu_cores", job.id)
+    finally:
+        flag.touch()
+    ended_at = time.time()
+    assert job.wait(timeout=60) == JobState.COMPLETED, job.logs()
+    # Stored beside the logs: read back with nothing but the storage root, the last moments in.
+    csv_rows = list(csv.DictReader(io.StringIO(
+        cli("metrics", "--job-id", job.id, "--storage-root", storage_root, "-o", "csv").stdout
+    )))  # fmt: skip
+    assert {row["rank"] for row in csv_rows} == {"0", "1"}
+    for metrics in read_job_metrics(StorageRoot(storage_root), job.id):
+        assert metrics.samples[-1].at >= ended_at - 1.5

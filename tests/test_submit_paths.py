@@ -65,38 +65,36 @@ def test_cli_push_tail_runs_the_mnist_recipe_to_completed(storage_root, ray_clus
     assert accuracy >= 0.9
 
 
-def test_logs_are_readable_after_the_cluster_is_gone(tmp_path, storage_root):
+def test_stopping_the_cluster_stops_its_jobs_and_what_they_stored_outlives_it(
+    tmp_path, storage_root
+):
+    """One short-lived cluster: a job that completed and one still running when it stops."""
     cluster = LocalCluster(state_dir=tmp_path / "short-lived-cluster")
     info = cluster.start()
     try:
         config = make_job(tmp_path / "job", HELLO, {"hello.py": "print('kept after shutdown')\n"})
-        job = push(config, address=info.dashboard_url, storage_root=storage_root)
-        assert job.wait(timeout=120) == JobState.COMPLETED
+        done = push(config, address=info.dashboard_url, storage_root=storage_root)
+        assert done.wait(timeout=120) == JobState.COMPLETED
+        config = make_job(tmp_path / "sleeper", HELLO, {"hello.py": SLEEPER})
+        running = push(config, address=info.dashboard_url, storage_root=storage_root)
+        wait_for_line(running, "up")
     finally:
         cluster.stop()
     assert cluster.status() is None
-    again = get_job(job.id, storage_root=storage_root)
+    assert running.status() == JobState.STOPPED
+    again = get_job(done.id, storage_root=storage_root)
     assert again.status() == JobState.COMPLETED
     assert any(line.endswith("kept after shutdown") for line in again.logs())
     cli = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "logs", "--job-id", job.id,
+        [sys.executable, "-m", "orchestrator", "logs", "--job-id", done.id,
          "--storage-root", storage_root],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     assert "kept after shutdown" in cli.stdout
-
-
-def test_stopping_the_cluster_stops_its_jobs_first(tmp_path, storage_root):
-    cluster = LocalCluster(state_dir=tmp_path / "short-lived")
-    info = cluster.start()
-    try:
-        config = make_job(tmp_path / "job", HELLO, {"hello.py": SLEEPER})
-        job = push(config, address=info.dashboard_url, storage_root=storage_root)
-        wait_for_line(job, "up")
-    finally:
-        cluster.stop()
-    assert job.status() == JobState.STOPPED
+    # The resource samples are stored beside the logs: the rank's last one, taken as it ended.
+    (rank,) = again.metrics().ranks
+    assert rank.samples and rank.node_id == again.details().nodes[0].node_id
 
 
 def test_a_job_whose_local_cluster_died_is_failed_not_running_forever(

@@ -34,6 +34,7 @@ from orchestrator.storage.checkpoints import (
     UploadSettings,
 )
 from orchestrator.storage.local_checkpoint import Snapshot, snapshot
+from orchestrator.storage.metrics import UploadStats
 from orchestrator.storage.records import CheckpointEntry
 from orchestrator.storage.retry import StorageRetry, describe, is_transient
 from orchestrator.storage.root import StorageRoot
@@ -118,6 +119,7 @@ class CheckpointUploader:
         self._last_recheck = 0.0
         self._open_writers: set[str] | None = None  # per scan, asked only when needed
         self._lock = threading.Lock()  # one scan (and upload) at a time
+        self._done = UploadStats()  # what this uploader has stored (the backlog is worked out)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(earlier,), daemon=True)
         self._thread.start()
@@ -134,6 +136,23 @@ class CheckpointUploader:
         if since > len(self.events):  # a restarted uploader starts a new list
             since = 0
         return UploaderPoll(self.events[since:], len(self.events), self.over_volume)
+
+    def upload_stats(self) -> UploadStats:
+        """The backlog now and what was uploaded: the node agent samples it beside the rank's
+        resources. Waiting: checkpoints not stored as they are that are complete, failed to
+        upload, or quiet for settle_s (one whose first storage lookup waits out an outage)."""
+        now, quiet_since = time.time(), time.monotonic() - self.settings.settle_s
+        waiting = [
+            t for t in list(self.tracked.values())
+            if t.gone is None and t.seen is not None and t.seen.files and not self._is_current(t)
+            and (t.ready is not None or t.failed is not None or t.changed_at <= quiet_since)
+        ]  # fmt: skip
+        oldest = min((t.ready_wall or t.changed_wall for t in waiting), default=None)
+        return self._done.model_copy(update={
+            "waiting": len(waiting),
+            "waiting_bytes": sum(t.seen.size for t in waiting if t.seen is not None),
+            "oldest_waiting_s": None if oldest is None else round(now - oldest, 1),
+        })  # fmt: skip
 
     def writer_ended(self, clean: bool, how: str, at: float | None = None) -> None:
         """The rank's commands ended (`clean`: the last one exited 0): from now on a checkpoint
@@ -294,12 +313,12 @@ class CheckpointUploader:
         if not (recheck or renamed) and t.seen is not None and self._is_current(t):
             return  # stored as it is; looked at again every RECHECK_S
         seen = snapshot(self.local_dir / name)
-        if not t.looked_up:
-            t.looked_up = True  # a restarted uploader finds what it committed before
-            t.stored = self.store.manifest(self.project, self.job_id, self.rank, name)
         now = time.monotonic()
         if t.seen is None or seen.fingerprint != t.seen.fingerprint:
             t.seen, t.changed_at, t.changed_wall, t.ready = seen, now, time.time(), None
+        if not t.looked_up:
+            t.looked_up = True  # a restarted uploader finds what it committed before
+            t.stored = self.store.manifest(self.project, self.job_id, self.rank, name)
         for rel, why in seen.skipped_links:
             self._once(t, f"link {rel}", f"{name}: skipped link {rel}: {why}")
         if self._is_current(t) or not seen.files:
@@ -391,6 +410,11 @@ class CheckpointUploader:
             return
         t.stored, t.failed, t.failed_said = manifest, None, None
         took = time.monotonic() - start
+        done, size = self._done, manifest.size_bytes
+        self._done = done.model_copy(update={
+            "uploaded": done.uploaded + 1, "uploaded_bytes": done.uploaded_bytes + size,
+            "upload_seconds": round(done.upload_seconds + took, 3), "last_upload_s": round(took, 3),
+        })  # fmt: skip
         how = (
             f"stored as INCOMPLETE: {incomplete}"
             if incomplete

@@ -107,6 +107,16 @@ class PreparedNode:
 
 
 @dataclass(frozen=True)
+class MetricsRequest:
+    """How a rank's resources are sampled while its commands run (agents/node_metrics.py)."""
+
+    project: str
+    interval_s: float  # 0: not sampled
+    memory_request_bytes: int | None = None
+    cpu_request: float | None = None
+
+
+@dataclass(frozen=True)
 class StartRequest:
     """One rank's commands and what they run with."""
 
@@ -116,6 +126,7 @@ class StartRequest:
     cwd: str
     gpus_per_node: int
     rendezvous: Any = None  # the job's Rendezvous actor; None for a group of one
+    metrics: MetricsRequest | None = None
 
 
 @dataclass(frozen=True)

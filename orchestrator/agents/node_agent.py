@@ -31,6 +31,7 @@ from orchestrator.agents.messages import (
     CacheSeeded,
     CommandsEnded,
     Delivery,
+    MetricsRequest,
     OutputLines,
     PreparedNode,
     PrepareRequest,
@@ -40,7 +41,7 @@ from orchestrator.agents.messages import (
 from orchestrator.agents.node_root import RankDirs
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
-from orchestrator.agents.services import actor_alive
+from orchestrator.agents.services import NAMESPACE, actor_alive
 from orchestrator.agents.terminal import Terminals
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
@@ -51,6 +52,8 @@ from orchestrator.storage.root import StorageRoot
 # imports this module while the job waits to start (docs/performance.md).
 if TYPE_CHECKING:
     from orchestrator.agents.cache_mounts import CacheMounts
+    from orchestrator.agents.node_metrics import MetricsSampler
+    from orchestrator.storage.metrics import RankMetrics, UploadStats
 
 # Not RAY_ADDRESS itself: a job may start a Ray head of its own, which that name would confuse.
 RAY_ADDRESS_ENV = "ORCHESTRATOR_RAY_ADDRESS"
@@ -86,6 +89,11 @@ def agent_name(job_id: str, rank: int) -> str:
     return f"orchestrator-{job_id}-rank-{rank}"
 
 
+def uploader_name(job_id: str, rank: int) -> str:
+    """The actor name of a rank's checkpoint uploader (in the NAMESPACE of agents/services)."""
+    return f"orchestrator-{job_id}-uploader-{rank}"
+
+
 class NodeAgent:
     """A Ray actor (threaded, so `stop` can run while `run_commands` streams)."""
 
@@ -106,6 +114,10 @@ class NodeAgent:
         # `orchestrator shell`: set when they start, on this node only.
         self._job_shell: tuple[dict[str, str], str, SecretMasker] | None = None
         self._terminals = Terminals()  # `orchestrator shell` without a command
+        self._checkpoint_dir = self.dirs.checkpoints
+        self._metrics: RankMetrics | None = None  # this rank's samples, across attempts
+        self._sampler: MetricsSampler | None = None
+        self._uploader: Any = None
 
     def node_info(self) -> dict[str, Any]:
         import ray
@@ -148,6 +160,7 @@ class NodeAgent:
         (self.dirs.checkpoints).mkdir(exist_ok=True)
         if checkpoint_dir:
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            self._checkpoint_dir = Path(checkpoint_dir)
         # Before any command runs: what a reused checkpoint_path already holds is not this job's.
         # Taken once per job on a node: a rank prepared again (its agent was lost) keeps it.
         from orchestrator.agents.checkpoint_rules import (
@@ -250,6 +263,19 @@ class NodeAgent:
         # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.
         full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
         self._job_shell = (full_env, cwd, mask)
+        if request.metrics is not None:
+            try:
+                self._start_sampling(request.metrics)
+            except Exception as e:  # the job runs on without its samples, saying why
+                yield OutputLines([self._tag(f"resource sampling did not start: {e!r}")])
+        try:
+            yield from self._run_each(commands, full_env, cwd, mask)
+        finally:
+            self._end_sampling()  # a closed stream; the ending itself samples before it is said
+
+    def _run_each(
+        self, commands: tuple[str, ...], full_env: dict[str, str], cwd: str, mask: SecretMasker
+    ) -> Iterator[OutputLines | CommandsEnded]:
         last_lines: deque[str] = deque(maxlen=LAST_LINES)
         for command in commands:
             if self._stopping.is_set():
@@ -278,15 +304,79 @@ class NodeAgent:
                     yield OutputLines(tagged)
             code = self._process.wait()
             if code != 0:
+                self._end_sampling()
                 yield CommandsEnded(
                     exit_code=code, command=command, last_lines=list(last_lines),
                     stopped=self._stopping.is_set(), ended_at=time.time(),
                 )  # fmt: skip
                 return
+        self._end_sampling()
         yield CommandsEnded(
             exit_code=0, last_lines=list(last_lines), stopped=self._stopping.is_set(),
             ended_at=time.time(),
         )  # fmt: skip
+
+    def _start_sampling(self, request: MetricsRequest) -> None:
+        """Sample this rank's resources until its commands end (agents/node_metrics.py)."""
+        if request.interval_s <= 0:
+            return
+        import ray
+
+        from orchestrator.agents.node_metrics import Gauges, MetricsSampler
+        from orchestrator.storage.metrics import RankMetrics, read_rank_metrics
+
+        if self._metrics is None:  # a replacement agent goes on with what the lost one stored
+            with contextlib.suppress(Exception):
+                self._metrics = read_rank_metrics(self.storage, self.job_id, self.rank)
+        info = self.node_info()
+        metrics = self._metrics = self._metrics or RankMetrics(job_id=self.job_id, rank=self.rank)
+        metrics.node_id, metrics.hostname = info["node_id"], info["hostname"]
+        metrics.interval_s = request.interval_s
+        metrics.memory_request_bytes = request.memory_request_bytes
+        metrics.cpu_request = request.cpu_request
+        gauges = None
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):
+                gauges = Gauges(self.job_id, request.project, self.rank)
+        gpus = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+        self._sampler = MetricsSampler(
+            metrics, self.storage.url, root_pid=self._command_pid, dirs=self._sampled_dirs,
+            disk_of=self.base, gpus=gpus, uploads=self._upload_stats, gauges=gauges,
+        )  # fmt: skip
+
+    def _end_sampling(self) -> None:
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.stop()
+
+    def _command_pid(self) -> int | None:
+        proc = self._process
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def _sampled_dirs(self) -> dict[str, list[Path]]:
+        cache: list[Path] = []
+        if self._cache_mounts is not None:
+            targets = sorted({Path(target) for _, target in self._cache_mounts.links})
+            # The HF link points inside the project cache: each byte counts once.
+            cache = [t for t in targets if not any(t != o and t.is_relative_to(o) for o in targets)]
+        return {
+            "workspace": [self.working_dir], "scratch": [self.scratch_dir],
+            "checkpoints": [self._checkpoint_dir], "cache": cache,
+        }  # fmt: skip
+
+    def _upload_stats(self) -> UploadStats | None:
+        """The backlog of this rank's checkpoint uploader (None while it cannot be asked)."""
+        import ray
+
+        if self._uploader is None:
+            self._uploader = ray.get_actor(
+                uploader_name(self.job_id, self.rank), namespace=NAMESPACE
+            )
+        try:
+            return ray.get(self._uploader.upload_stats.remote(), timeout=2)
+        except Exception:
+            self._uploader = None  # restarted or gone: looked up again next time
+            raise
 
     def _join(self, rendezvous: Any) -> dict[str, Any] | None:
         """Register this node's address and wait for every rank (the barrier).

@@ -13,6 +13,7 @@ from orchestrator.cli import (
     cmd_init,
     cmd_isession,
     cmd_logs,
+    cmd_metrics,
     cmd_push,
     cmd_queue,
     cmd_recreate,
@@ -44,6 +45,7 @@ app.command("push")(cmd_push.push)
 app.command("recreate")(cmd_recreate.recreate)
 app.command("logs")(cmd_logs.logs)
 app.command("view")(cmd_view.view)
+app.command("metrics")(cmd_metrics.metrics)
 app.command("stop")(cmd_stop.stop)
 app.command("download")(cmd_download.download)
 app.command("run")(cmd_run.run)

@@ -10,9 +10,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.client.connection import Connection
+from orchestrator.client.metrics import JobMetrics
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage import layout
@@ -20,6 +21,9 @@ from orchestrator.storage.checkpoints import CheckpointStore, Manifest, Manifest
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.logs import read_logs
 from orchestrator.storage.records import Attempt, Failure, JobRecord, JobStatus
+
+if TYPE_CHECKING:
+    from plotly.graph_objects import Figure
 
 POLL_S = 0.25
 FOLLOW_POLL_LOCAL_S = 0.1  # a local storage root is cheap to read: follow logs closely
@@ -133,6 +137,17 @@ class JobHandle:
     def attempts(self) -> list[Attempt]:
         """Each run of the job's commands (BT_RETRY_COUNT), with how it ended and why."""
         return self.refresh().attempts
+
+    def metrics(self) -> JobMetrics:
+        """Each rank's resource samples, with the time in each state, weights delivery and
+        checkpoint uploads (client/metrics.py)."""
+        return JobMetrics.read(self._store.root, self.record, self.refresh())
+
+    def plot_metrics(self) -> Figure:
+        """The samples as a plotly figure, one panel per resource (shown inline in Jupyter)."""
+        from orchestrator.client.metrics_plot import figure  # plotly only when plotting
+
+        return figure(self.metrics())
 
     def checkpoints(self) -> list[Manifest]:
         """This job's uploaded checkpoints, every rank's, oldest first."""

@@ -81,6 +81,7 @@ def store_job(
         storage=storage_settings or StorageSettings.from_env(),
         retry=retry or RetryPolicy.resolve(),
         queue_timeout_s=settings.QUEUE_TIMEOUT_S.get(),
+        metrics_interval_s=settings.METRICS_INTERVAL_S.get(),
         notices=list(prepared.warnings),
     )
     store.create(record, JobStatus.new(job_id, "submitted"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator import settings
-from orchestrator.agents.messages import StartRequest
+from orchestrator.agents.messages import MetricsRequest, StartRequest
 from orchestrator.controller.checkpointing import RestoreFailed, Uploaders
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.failure_policy import (
@@ -145,6 +145,12 @@ class Attempts:
                 secrets=secrets,
                 cwd=workdir(node, record.archive.config_dir),
                 gpus_per_node=job.compute.gpus_per_node,
+                metrics=MetricsRequest(
+                    project=record.project,
+                    interval_s=record.metrics_interval_s,
+                    memory_request_bytes=job.compute.memory_bytes,
+                    cpu_request=job.compute.cpu_count,
+                ),
             )
             for node in self.job.status.nodes
         ]

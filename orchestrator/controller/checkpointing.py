@@ -11,6 +11,8 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.agents.checkpoint_uploader import CheckpointUploader
+from orchestrator.agents.node_agent import uploader_name
+from orchestrator.agents.services import NAMESPACE
 from orchestrator.errors import OrchestratorError
 from orchestrator.spec.checkpoints import (
     _BasetenLatestCheckpoint,
@@ -138,8 +140,8 @@ class Uploaders:
         self.actors = [
             ray.remote(CheckpointUploader)
             .options(
-                name=f"orchestrator-{record.job_id}-uploader-{rank}",
-                namespace="orchestrator",
+                name=uploader_name(record.job_id, rank),
+                namespace=NAMESPACE,
                 num_cpus=0,
                 # A killed uploader comes back and redoes what it had not committed.
                 max_restarts=-1,

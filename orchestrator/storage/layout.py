@@ -4,6 +4,7 @@ archives/<sha256>.tar                 code archives, content-addressed (re-pushe
 jobs/<job_id>/record.json             JobRecord, written once at submission
 jobs/<job_id>/status.json             JobStatus, rewritten on every change
 jobs/<job_id>/logs/<seq>.log          log segments, tagged lines, in order
+jobs/<job_id>/metrics/rank-<r>.json   a rank's resource samples (storage/metrics.py)
 projects/<project_id>.json            ProjectRecord: a project's id and name
 projects/names/<sha256 of name>.json  the id a name was given (written last: the commit)
 """
@@ -35,6 +36,14 @@ def logs_dir(job_id: str) -> str:
 
 def log_segment(job_id: str, seq: int) -> str:
     return f"jobs/{job_id}/logs/{seq:08d}.log"
+
+
+def metrics_dir(job_id: str) -> str:
+    return f"jobs/{job_id}/metrics"
+
+
+def rank_metrics(job_id: str, rank: int) -> str:
+    return f"jobs/{job_id}/metrics/rank-{rank}.json"
 
 
 def session(job_id: str) -> str:

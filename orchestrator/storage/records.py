@@ -67,6 +67,7 @@ class JobRecord(_Record):
     storage: StorageSettings = Field(default_factory=StorageSettings)  # riding out outages
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     queue_timeout_s: float | None = None  # longest wait in the cluster's queue; None: no limit
+    metrics_interval_s: float = 5.0  # resource samples on each rank; 0: none
     notices: list[str] = Field(default_factory=list)
 
     @property
