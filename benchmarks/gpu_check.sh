@@ -4,7 +4,8 @@
 # 1. the main command's job (recipes/mnist-pytorch) as it is;
 # 2. recipes/multinode-ddp on one node with accelerator H100:1 (nccl on cuda:0): the job's line
 #    must show CUDA_VISIBLE_DEVICES set by Ray and the GPU's name, and nvidia-smi must see the
-#    trainer's process while it runs; its checkpoints must be listed as uploaded;
+#    trainer's process while it runs; its checkpoints must be listed as uploaded; its GPU
+#    samples (`orchestrator metrics`, every 1 s) beside nvidia-smi's own (every 0.5 s);
 # 3. a job asking for more GPUs than the machine has, and one asking for another accelerator
 #    type: each must end DEPLOY_FAILED with the shortfall named.
 #
@@ -48,10 +49,29 @@ grep -n "accelerator=\|node_count\|run.sh" "$job/config.py"
 (while sleep 0.5; do nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader; done) \
   > "$out/nvidia-smi-apps.log" 2>&1 &
 watcher=$!
+(while sleep 0.5; do nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits; done) \
+  > "$out/nvidia-smi-gpu.csv" 2>&1 &
+gpu_watcher=$!
 start=$(date +%s%N)
-orch push "$job/config.py" --tail 2>&1 | tee "$out/ddp-gpu.log" | grep -v "^\s*$" | tail -n 14
+ORCHESTRATOR_METRICS_INTERVAL_S=1 orch push "$job/config.py" --tail 2>&1 | tee "$out/ddp-gpu.log" | grep -v "^\s*$" | tail -n 14
 echo "exit ${PIPESTATUS[0]}; push -> end $(( ($(date +%s%N) - start) / 1000000 )) ms"
-kill "$watcher"
+kill "$watcher" "$gpu_watcher"
+orch metrics --project ddp-gpu -o json > "$out/ddp-gpu-metrics.json" 2>/dev/null
+python3 - "$out" <<'PY'
+import csv, json, sys
+out = sys.argv[1]
+smi = [r for r in csv.reader(open(f"{out}/nvidia-smi-gpu.csv")) if len(r) == 3]
+ours = [(g["index"], g["utilization_pct"], g["memory_used_bytes"] / 2**20)
+        for r in json.load(open(f"{out}/ddp-gpu-metrics.json"))["ranks"]
+        for s in r["samples"] for g in s.get("gpus", [])]
+def summary(name, rows):
+    busy = [float(u) for _, u, _ in rows if float(u) > 0]
+    print(f"{name}: {len(rows)} samples, GPUs {sorted({str(i).strip() for i, _, _ in rows})}, "
+          f"peak memory {max((float(m) for _, _, m in rows), default=0):.0f} MiB, "
+          f"mean utilisation while busy {sum(busy) / max(len(busy), 1):.0f}%")
+summary("nvidia-smi", smi)
+summary("orchestrator metrics", ours)
+PY
 echo "nvidia-smi saw on the GPU while the job ran:"; sort -u "$out/nvidia-smi-apps.log" | head -n 5
 grep -o "CUDA_VISIBLE_DEVICES=[^ ]*\|gpu=.*\|backend=[a-z]*" "$out/ddp-gpu.log" | sort | uniq -c
 orch checkpoints list --project ddp-gpu 2>&1 | tail -n 8

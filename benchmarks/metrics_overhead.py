@@ -8,7 +8,8 @@
    command is) timed per step with the sampler off and on, in alternating rounds; the ratio of
    the medians. The sampler runs at `--interval` (1 s: five times the default rate).
 
-No Ray: the sampler is a thread of the node agent; this measures the thread itself.
+The sampler is a thread of the node agent; this measures the thread itself. Its Ray gauges are
+set too (a local `ray.init`, as the agent's worker has one): `--no-gauges` leaves them out.
 
     .venv/bin/python benchmarks/metrics_overhead.py
 """
@@ -31,6 +32,7 @@ from common import code_state
 from orchestrator.agents.node_metrics import (
     DISK_WALK_SHARE,
     FLUSH_S,
+    Gauges,
     MetricsSampler,
 )
 from orchestrator.storage.metrics import MAX_SAMPLES, RankMetrics, write_rank_metrics
@@ -77,7 +79,7 @@ def sampler_cost(args: argparse.Namespace, base: Path) -> dict[str, float]:
         metrics = RankMetrics(job_id="bench", rank=0, interval_s=3600)
         s = MetricsSampler(
             metrics, root.url, root_pid=os.getpid, dirs=lambda: dirs, disk_of=base,
-            gpus=[], uploads=lambda: None, gauges=None,
+            gpus=[], uploads=lambda: None, gauges=gauges(args),
         )  # fmt: skip
         walk_start = time.thread_time()
         s._disks.sample()  # the first walk, as its own figure
@@ -108,6 +110,16 @@ def sampler_cost(args: argparse.Namespace, base: Path) -> dict[str, float]:
             "flush_ms": flush * 1e3, "share_of_a_core_pct": share * 100}  # fmt: skip
 
 
+def gauges(args: argparse.Namespace) -> Gauges | None:
+    if args.no_gauges:
+        return None
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    return Gauges("bench", "bench-project", 0)
+
+
 def step_times(args: argparse.Namespace, base: Path, sampled: bool) -> list[float]:
     child = subprocess.Popen(
         [sys.executable, "-c", TRAIN, str(args.steps)], stdout=subprocess.PIPE, text=True
@@ -118,7 +130,7 @@ def step_times(args: argparse.Namespace, base: Path, sampled: bool) -> list[floa
         s = MetricsSampler(
             metrics, StorageRoot(base / "root").url, root_pid=os.getpid,
             dirs=lambda: {"workspace": [base / "workspace"]}, disk_of=base, gpus=[],
-            uploads=lambda: None, gauges=None,
+            uploads=lambda: None, gauges=gauges(args),
         )  # fmt: skip
     out, _ = child.communicate()
     if s is not None:
@@ -135,6 +147,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--no-gauges", action="store_true")
     args = parser.parse_args()
     print(f"code: {code_state()}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,6 +159,7 @@ def main() -> None:
             f"{cost['first_walk_ms']:.1f} ms), a flush of {MAX_SAMPLES} samples "
             f"{cost['flush_ms']:.1f} ms: {cost['share_of_a_core_pct']:.3f}% of one core at the "
             f"default {DEFAULT_INTERVAL_S:g} s interval"
+            + (" (no gauges)" if args.no_gauges else ", Ray gauges set")
         )
         off: list[float] = []
         on: list[float] = []
