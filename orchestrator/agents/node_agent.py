@@ -39,6 +39,7 @@ from orchestrator.agents.messages import (
     WeightPlacement,
 )
 from orchestrator.agents.node_root import RankDirs
+from orchestrator.agents.output_splitter import OutputSplitter
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
 from orchestrator.agents.services import NAMESPACE, actor_alive
@@ -46,6 +47,7 @@ from orchestrator.agents.terminal import Terminals
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS
+from orchestrator.storage.logs import rank_line
 from orchestrator.storage.root import StorageRoot
 
 # Weights and the training cache are imported where a job uses them: every job's agent worker
@@ -78,6 +80,12 @@ while True:
 sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
 """
 LAST_LINES = 50
+READ_BYTES = 64 * 1024  # one read of a command's output
+READ_QUEUE_CHUNKS = 64  # reads waiting to be forwarded (4 MiB), after which the command waits
+# Lines per stream item: under Ray's 100 KiB inline limit, so output never lands in the object
+# store; the controller takes at most STREAM_BACKLOG items unread before the agent waits.
+BATCH_CHARS = 64 * 1024
+STREAM_BACKLOG = 64
 SHELL_TIMEOUT_EXIT = 124  # as timeout(1)
 SHELL_OUTPUT_BYTES = 8 * 2**20  # the end of a longer output is kept
 TERMINAL_GROUP = "terminal"  # the agent's concurrency group for terminals
@@ -280,7 +288,9 @@ class NodeAgent:
         for command in commands:
             if self._stopping.is_set():
                 break
-            lines: queue.Queue[str | None] = queue.Queue()
+            # Bounded: a command that writes faster than its output is forwarded waits on its
+            # pipe, as it would on a slow terminal, instead of growing this process.
+            chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=READ_QUEUE_CHUNKS)
             self._process = subprocess.Popen(
                 [*_guarded(), "/bin/sh", "-c", command],
                 cwd=cwd,
@@ -290,18 +300,22 @@ class NodeAgent:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, so stop reaches every child
             )
-            reader = threading.Thread(target=_pump, args=(self._process, lines), daemon=True)
+            reader = threading.Thread(target=_pump, args=(self._process, chunks), daemon=True)
             reader.start()
+            output = OutputSplitter(mask)
             done = False
             while not done:
-                batch = _drain(lines)
+                batch = _drain(chunks)
                 if batch and batch[-1] is None:
                     done = True
                     batch.pop()
-                if batch:
-                    tagged = [self._tag(mask(line)) for line in batch]
-                    last_lines.extend(mask(line) for line in batch)
-                    yield OutputLines(tagged)
+                now = time.monotonic()
+                pieces = [p for data in batch for p in output.feed(data, now)] or output.tick(now)
+                if done:
+                    pieces += output.close()
+                last_lines.extend(p.text for p in pieces)
+                for lines in _batches([self._tag(p.text, p.progress) for p in pieces]):
+                    yield OutputLines(lines)
             code = self._process.wait()
             if code != 0:
                 self._end_sampling()
@@ -502,8 +516,8 @@ class NodeAgent:
             node_cache_here().release.remote(self.actor_name)
         self._holds_weights = False
 
-    def _tag(self, line: str) -> str:
-        return f"[rank {self.rank} {time.strftime('%H:%M:%S')}] {line}"
+    def _tag(self, line: str, progress: bool = False) -> str:
+        return rank_line(self.rank, time.strftime("%H:%M:%S"), line, progress)
 
 
 def _cluster_address() -> str | None:
@@ -517,22 +531,40 @@ def _guarded() -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid())]
 
 
-def _pump(proc: subprocess.Popen[bytes], lines: queue.Queue[str | None]) -> None:
+def _pump(proc: subprocess.Popen[bytes], chunks: queue.Queue[bytes | None]) -> None:
+    """The command's output as it comes, not line by line: a progress bar or a prompt without a
+    newline is read at once (agents/output_splitter.py decides what to forward)."""
     assert proc.stdout is not None
-    for raw in proc.stdout:
-        lines.put(raw.decode(errors="replace").rstrip("\r\n"))
-    lines.put(None)
+    fd = proc.stdout.fileno()
+    while data := os.read(fd, READ_BYTES):
+        chunks.put(data)
+    chunks.put(None)
 
 
-def _drain(lines: queue.Queue[str | None], wait: float = 0.1, max_lines: int = 1000) -> list:
-    """Block for the first line (up to `wait`), then take what else is ready."""
+def _batches(lines: list[str]) -> Iterator[list[str]]:
+    """`lines` in order, in lists of at most BATCH_CHARS characters (or one longer line)."""
+    batch: list[str] = []
+    size = 0
+    for line in lines:
+        if batch and size + len(line) > BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+        batch.append(line)
+        size += len(line)
+    if batch:
+        yield batch
+
+
+def _drain(chunks: queue.Queue[bytes | None], wait: float = 0.1, most: int = 16) -> list:
+    """Block for the first chunk (up to `wait`), then take what else is ready, up to `most`
+    (1 MiB: what a loop holds at once, several copies of it being made)."""
     try:
-        batch = [lines.get(timeout=wait)]
+        batch = [chunks.get(timeout=wait)]
     except queue.Empty:
         return []
-    while batch[-1] is not None and len(batch) < max_lines:
+    while batch[-1] is not None and len(batch) < most:
         try:
-            batch.append(lines.get_nowait())
+            batch.append(chunks.get_nowait())
         except queue.Empty:
             break
     return batch

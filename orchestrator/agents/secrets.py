@@ -72,6 +72,16 @@ class SecretMasker:
     def __call__(self, line: str) -> str:
         return self._pattern.sub("*****", line) if self._pattern else line
 
+    @property
+    def pattern(self) -> re.Pattern[str] | None:
+        """What matches any secret piece (None with no secrets)."""
+        return self._pattern
+
+    def open_end(self, text: str) -> int:
+        """Length of the longest end of `text` that begins some secret (0 if none): output cut
+        there could show the start of a secret whose rest comes later."""
+        return max((_overlap(text, piece) for piece in self.pieces), default=0)
+
 
 class StreamMasker:
     """Masks secrets in a byte stream cut anywhere (a terminal's output, read as it comes).
@@ -87,13 +97,9 @@ class StreamMasker:
 
     def feed(self, data: bytes, final: bool = False) -> bytes:
         text = self._masker(self._held + self._decoder.decode(data, final))
-        hold = 0 if final else self._secret_start_at_end(text)
+        hold = 0 if final else self._masker.open_end(text)
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold].encode()
-
-    def _secret_start_at_end(self, text: str) -> int:
-        """Length of the longest end of `text` that begins some secret (0 if none)."""
-        return max((_overlap(text, piece) for piece in self._masker.pieces), default=0)
 
 
 def _overlap(text: str, piece: str) -> int:

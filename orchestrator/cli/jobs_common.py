@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.markup import escape
 
 from orchestrator.cli.render import OutputFormat, console, print_json, print_warnings
 from orchestrator.client.api import get_job, latest_job
 from orchestrator.client.jobs import JobHandle
+from orchestrator.client.log_view import LineRenderer
 from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, JobState
+from orchestrator.storage.records import JobStatus
 
 ENDINGS = {
     JobState.COMPLETED: "[green]completed successfully[/green]",
@@ -46,10 +50,13 @@ def announce(job: JobHandle, what: str, output: OutputFormat) -> None:
     )
 
 
-def follow(job: JobHandle) -> int:
-    """Print the job's log lines as they arrive, then how it ended; its exit code."""
-    for line in job.logs(follow=True):
-        print(line, flush=True)
+def follow(job: JobHandle, in_place: bool | None = None) -> int:
+    """Print the job's log lines as they arrive (on a terminal, a progress bar's states drawn
+    over each other), then how it ended; its exit code."""
+    shown = LineRenderer(sys.stdout, sys.stdout.isatty() if in_place is None else in_place)
+    for line in job.logs(follow=True, progress_every_s=0):
+        shown.show(line)
+    shown.close()
     return print_ending(job)
 
 
@@ -69,6 +76,12 @@ def print_ending(job: JobHandle) -> int:
         console.print(f"  cause: {details.failure.cause}", markup=False)
     for problem in summary.problems() if summary else []:
         console.print(f"  checkpoint {problem}", markup=False)
-    if state != JobState.COMPLETED:
+    return ending_code(details)
+
+
+def ending_code(details: JobStatus) -> int:
+    """0 completed, 3 completed without every checkpoint stored, 1 anything else."""
+    summary = details.checkpoints
+    if details.state != JobState.COMPLETED:
         return 1
-    return CHECKPOINTS_NOT_STORED_EXIT if unstored else 0
+    return CHECKPOINTS_NOT_STORED_EXIT if summary and not summary.all_uploaded else 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.client.connection import Connection
+from orchestrator.client.log_view import FOLLOW_PROGRESS_S, thin_progress
 from orchestrator.client.metrics import JobMetrics
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
@@ -107,18 +108,28 @@ class JobHandle:
                 raise TimeoutError(f"job {self.id} is still {state.value} after {timeout} s")
             time.sleep(POLL_S)
 
-    def logs(self, follow: bool = False) -> list[str] | Iterator[str]:
-        """All stored lines; with `follow`, an iterator that ends when the job does."""
+    def logs(
+        self, follow: bool = False, progress_every_s: float = FOLLOW_PROGRESS_S
+    ) -> list[str] | Iterator[str]:
+        """All stored lines; with `follow`, an iterator that ends when the job does.
+
+        A progress bar's states are lines tagged `progress` (`[rank 0 12:00:01 progress] ...`);
+        following, a rank's latest state comes at most every `progress_every_s` (0: every one
+        stored), so printing each line does not flood a notebook cell. Other lines, and each
+        bar's final state, always come.
+        """
         if not follow:
             return read_logs(self._store.root, self.id)[0]
-        return self._follow()
+        return thin_progress(self._follow(), progress_every_s)
 
-    def _follow(self) -> Iterator[str]:
+    def _follow(self) -> Iterator[list[str]]:
+        """The new lines of each read of the stored logs, until the job has ended."""
         cursor = -1
         while True:
             ended = self.refresh().state.is_terminal
             lines, cursor = read_logs(self._store.root, self.id, cursor)
-            yield from lines
+            if lines:
+                yield lines
             if ended:
                 return
             time.sleep(FOLLOW_POLL_LOCAL_S if self._store.root.is_local else POLL_S)

@@ -29,7 +29,13 @@ from orchestrator.agents.messages import (
     PrepareRequest,
     StartRequest,
 )
-from orchestrator.agents.node_agent import TERMINAL_GROUP, TERMINAL_THREADS, NodeAgent, agent_name
+from orchestrator.agents.node_agent import (
+    STREAM_BACKLOG,
+    TERMINAL_GROUP,
+    TERMINAL_THREADS,
+    NodeAgent,
+    agent_name,
+)
 from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.controller.checkpointing import RankEnding, Uploaders
@@ -341,7 +347,9 @@ class RayNodeGroup:
         self.runs = [RankRun(rank) for rank in range(len(self.agents))]
         for agent, request, run in zip(self.agents, requests, self.runs, strict=True):
             request = dataclasses.replace(request, rendezvous=self.rendezvous)
-            stream = agent.run_commands.options(num_returns="streaming").remote(request)
+            stream = agent.run_commands.options(
+                num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKLOG
+            ).remote(request)
             threading.Thread(target=self._follow, args=(stream, run, on_lines), daemon=True).start()
 
     def _follow(self, stream: Any, run: RankRun, on_lines: Callable[[list[str]], None]) -> None:

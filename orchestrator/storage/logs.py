@@ -1,12 +1,31 @@
 """Job logs as numbered segments: appendable on any store, readable after the cluster is gone.
 
-The controller's journal (storage/journal.py) writes them; anyone reads them.
+The controller's journal (storage/journal.py) writes them; anyone reads them. A line never
+holds a newline (a rank's output is cut into lines and progress states where it runs,
+agents/output_splitter.py), so segments split on `\n` alone: a stray form feed or other
+separator `str.splitlines` knows stays inside its line.
 """
 
 from __future__ import annotations
 
+import re
+
 from orchestrator.storage import layout
 from orchestrator.storage.root import StorageRoot
+
+PROGRESS = "progress"  # the tag's mark on a progress state: `[rank 0 12:00:01 progress] ...`
+_PROGRESS_TAG = re.compile(r"\[rank \d+ \d\d:\d\d:\d\d progress\] ")
+
+
+def rank_line(rank: int, clock: str, text: str, progress: bool = False) -> str:
+    """A line a rank printed, as stored: tagged with the rank and the node's time; a progress
+    bar's latest state (a line still being rewritten, agents/output_splitter.py) marked so."""
+    return f"[rank {rank} {clock}{' ' + PROGRESS if progress else ''}] {text}"
+
+
+def is_progress(line: str) -> bool:
+    """Whether a stored line is a progress state, which the next state of its bar replaces."""
+    return _PROGRESS_TAG.match(line) is not None
 
 
 def read_logs(root: StorageRoot, job_id: str, after: int = -1) -> tuple[list[str], int]:
@@ -19,6 +38,6 @@ def read_logs(root: StorageRoot, job_id: str, after: int = -1) -> tuple[list[str
         if seq <= after:
             continue
         data = root.read_bytes(layout.log_segment(job_id, seq))
-        lines += data.decode(errors="replace").splitlines()
+        lines += data.decode(errors="replace").removesuffix("\n").split("\n") if data else []
         last = seq
     return lines, last
