@@ -9,6 +9,7 @@ from pathlib import Path
 
 from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, make_job
 
+from orchestrator.agents.output_splitter import MAX_LINE_CHARS
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
 from orchestrator.lifecycle import JobState
@@ -131,10 +132,11 @@ def test_50_mb_without_a_newline_arrives_whole_without_growing_the_agent(
         Path(f"{flag}.go").touch()
         Path(f"{flag}.end").touch()
     assert job.wait(timeout=120) == JobState.COMPLETED
-    # Read and forwarded a chunk at a time: the agent's peak memory barely moves (+14 MiB seen;
-    # reading it as one line took it up by hundreds).
-    assert grown < 32 * MiB, f"the agent's peak RSS grew by {grown / MiB:.0f} MiB"
+    # Read and forwarded a piece at a time (a 1 MiB read, a 4 MiB queue, 16 stream items of
+    # 64 KiB), whatever the size: +14 to +23 MiB seen, the allocator's high-water mark included.
+    # Read as one line, these 50 MB took the agent's peak up by 201 MiB.
+    assert grown < 64 * MiB, f"the agent's peak RSS grew by {grown / MiB:.0f} MiB"
     texts = [x.split("] ", 1)[1] for x in dumped if x.startswith("[rank 0 ")]
     xs = [t for t in texts if t and set(t) == {"x"}]
-    assert sum(map(len, xs)) == 50 * MiB  # every byte, in lines of at most 16 KiB
-    assert max(map(len, xs)) <= 16 * 1024 and not any(is_progress(x) for x in dumped)
+    assert sum(map(len, xs)) == 50 * MiB  # every byte, in lines of 256 KiB, each whole again
+    assert {len(x) for x in xs[:-1]} == {MAX_LINE_CHARS} and not any(map(is_progress, dumped))

@@ -131,9 +131,12 @@ class StartRequest:
 
 @dataclass(frozen=True)
 class OutputLines:
-    """Lines the rank's commands printed (tagged, secrets masked)."""
+    """Lines the rank's commands printed (tagged, secrets masked). With `continues`, the last
+    line goes on in the next item: a long line comes in pieces, each small enough for Ray to
+    pass inline, and the controller joins them before it is shown or stored."""
 
     lines: list[str]
+    continues: bool = False
 
 
 @dataclass(frozen=True)

@@ -82,10 +82,10 @@ sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
 LAST_LINES = 50
 READ_BYTES = 64 * 1024  # one read of a command's output
 READ_QUEUE_CHUNKS = 64  # reads waiting to be forwarded (4 MiB), after which the command waits
-# Lines per stream item: under Ray's 100 KiB inline limit, so output never lands in the object
-# store; the controller takes at most STREAM_BACKLOG items unread before the agent waits.
+# Characters per stream item: under Ray's 100 KiB inline limit, so output never goes through the
+# object store; the controller takes at most STREAM_BACKLOG items unread before the agent waits.
 BATCH_CHARS = 64 * 1024
-STREAM_BACKLOG = 64
+STREAM_BACKLOG = 16
 SHELL_TIMEOUT_EXIT = 124  # as timeout(1)
 SHELL_OUTPUT_BYTES = 8 * 2**20  # the end of a longer output is kept
 TERMINAL_GROUP = "terminal"  # the agent's concurrency group for terminals
@@ -314,8 +314,7 @@ class NodeAgent:
                 if done:
                     pieces += output.close()
                 last_lines.extend(p.text for p in pieces)
-                for lines in _batches([self._tag(p.text, p.progress) for p in pieces]):
-                    yield OutputLines(lines)
+                yield from _items([self._tag(p.text, p.progress) for p in pieces])
             code = self._process.wait()
             if code != 0:
                 self._end_sampling()
@@ -541,18 +540,22 @@ def _pump(proc: subprocess.Popen[bytes], chunks: queue.Queue[bytes | None]) -> N
     chunks.put(None)
 
 
-def _batches(lines: list[str]) -> Iterator[list[str]]:
-    """`lines` in order, in lists of at most BATCH_CHARS characters (or one longer line)."""
+def _items(lines: list[str]) -> Iterator[OutputLines]:
+    """`lines` in order, in items of at most BATCH_CHARS characters; a longer line in pieces,
+    each but its last alone in an item that `continues`."""
     batch: list[str] = []
     size = 0
     for line in lines:
         if batch and size + len(line) > BATCH_CHARS:
-            yield batch
+            yield OutputLines(batch)
             batch, size = [], 0
+        while len(line) > BATCH_CHARS:
+            yield OutputLines([line[:BATCH_CHARS]], continues=True)
+            line = line[BATCH_CHARS:]
         batch.append(line)
         size += len(line)
     if batch:
-        yield batch
+        yield OutputLines(batch)
 
 
 def _drain(chunks: queue.Queue[bytes | None], wait: float = 0.1, most: int = 16) -> list:

@@ -13,7 +13,7 @@ of lines. So the splitter turns bytes as they arrive into pieces:
   and always the pending one before a line, so order holds;
 - a **progress** piece for text with no ending yet that has waited `PARTIAL_AFTER_S`
   (`print("loading...", end="")`), shown until its line ends;
-- text that goes on for `MAX_LINE_CHARS` without an ending is cut there into a line of its own
+- text that goes on for `MAX_LINE_CHARS` (256 KiB) without an ending is cut there into a line
   (a binary dump or minified JSON cannot grow memory without bound).
 
 Secrets are masked in every piece. A cut never splits a secret: it moves to the secret's start.
@@ -29,7 +29,9 @@ from orchestrator.agents.secrets import SecretMasker
 
 UPDATE_EVERY_S = 1.0  # progress states forwarded per rewritten line: at most one per second
 PARTIAL_AFTER_S = 1.0  # text without an ending is shown once it has waited this long
-MAX_LINE_CHARS = 16 * 1024  # a longer run of text without an ending is cut into lines this long
+# A longer run of text without an ending is cut into lines this long: far above any log line
+# (a JSON record of a thousand checksums is ~100 KiB), so only dumps are cut.
+MAX_LINE_CHARS = 256 * 1024
 CR_WAIT_S = 0.05  # a `\r` with nothing after it this long is not the start of `\r\n`
 
 _ENDINGS = re.compile("\r\n|\r|\n")

@@ -353,11 +353,17 @@ class RayNodeGroup:
             threading.Thread(target=self._follow, args=(stream, run, on_lines), daemon=True).start()
 
     def _follow(self, stream: Any, run: RankRun, on_lines: Callable[[list[str]], None]) -> None:
+        held = ""  # a long line's pieces so far (OutputLines.continues)
         try:
             for ref in stream:
                 item = ray.get(ref)
                 if isinstance(item, OutputLines):
-                    on_lines(item.lines)
+                    lines = list(item.lines)
+                    lines[0], held = held + lines[0], ""
+                    if item.continues:
+                        held = lines.pop()
+                    if lines:
+                        on_lines(lines)
                 else:
                     run.ended = item
         except Exception as e:
