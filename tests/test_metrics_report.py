@@ -210,8 +210,8 @@ def test_text_once_shows_each_rank_against_its_request_and_the_time_in_running(r
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert "rank 0 · gpu-node-a" in text and "rank 1 · cpu-node-b" in text
-    assert "4.50 cores of 8 requested (56%)" in text
-    assert "12.0 GiB of 32.0 GiB requested (38%)" in text
+    assert "4.50 cores of 8 requested (56%); peak 4.50, mean 3.25" in text
+    assert "12.0 GiB of 32.0 GiB requested (38%); peak 12.0 GiB" in text
     assert "3.0 GiB of 32.0 GiB requested (9%)" in text  # rank 1's
     assert "NVIDIA H100: 51% busy" in text  # GPU 1's latest sample
     assert "time in RUNNING" in text and "6 min" in text

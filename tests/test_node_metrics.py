@@ -206,3 +206,21 @@ def test_a_long_series_is_thinned_but_keeps_its_ends_and_recent_detail():
     assert at[0] == 0.0 and at[-1] == 9999.0
     assert at[-400:] == [float(i) for i in range(9600, 10_000)]  # the recent past, whole
     assert at == sorted(at)
+
+
+def test_once_the_commands_have_exited_stop_adds_no_empty_sample(tmp_path):
+    root = StorageRoot(tmp_path / "root")
+    running = [os.getpid()]
+    s = sampler(root, None, tmp_path, interval=0.2)
+    s._root_pid = lambda: running[0] if running else None
+    deadline = time.monotonic() + 20
+    while len(s.metrics.samples) < 2:
+        assert time.monotonic() < deadline, "no samples"
+        time.sleep(0.05)
+    running.clear()  # the commands exit, then the agent stops the sampler
+    s._stop.set()
+    s._thread.join()
+    count = len(s.metrics.samples)
+    s.stop()
+    stored = read_rank_metrics(root, "job-m", 1)
+    assert stored is not None and len(stored.samples) == count  # written, nothing added

@@ -72,7 +72,9 @@ def test_stopping_the_cluster_stops_its_jobs_and_what_they_stored_outlives_it(
     cluster = LocalCluster(state_dir=tmp_path / "short-lived-cluster")
     info = cluster.start()
     try:
-        config = make_job(tmp_path / "job", HELLO, {"hello.py": "print('kept after shutdown')\n"})
+        # Runs past the first resource sample (1 s in).
+        hello = "import time\nprint('kept after shutdown', flush=True)\ntime.sleep(1.5)\n"
+        config = make_job(tmp_path / "job", HELLO, {"hello.py": hello})
         done = push(config, address=info.dashboard_url, storage_root=storage_root)
         assert done.wait(timeout=120) == JobState.COMPLETED
         config = make_job(tmp_path / "sleeper", HELLO, {"hello.py": SLEEPER})
@@ -92,7 +94,7 @@ def test_stopping_the_cluster_stops_its_jobs_and_what_they_stored_outlives_it(
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     assert "kept after shutdown" in cli.stdout
-    # The resource samples are stored beside the logs: the rank's last one, taken as it ended.
+    # The resource samples are stored beside the logs, and read back without the cluster.
     (rank,) = again.metrics().ranks
     assert rank.samples and rank.node_id == again.details().nodes[0].node_id
 

@@ -38,6 +38,7 @@ from orchestrator.storage.retry import StorageRetry
 from orchestrator.storage.root import StorageRoot
 
 FLUSH_S = 10.0  # at most this long between writes of the series to the storage root
+FIRST_SAMPLE_S = 1.0
 DISK_WALK_SHARE = 0.005  # walks of the directories get at most this share of one core
 
 
@@ -265,9 +266,12 @@ class MetricsSampler:
         self._thread.start()
 
     def _run(self) -> None:
+        """The first sample after a second (a short command is seen too), then every interval."""
         interval = self.metrics.interval_s
-        while not self._stop.wait(interval):
+        wait = min(FIRST_SAMPLE_S, interval)
+        while not self._stop.wait(wait):
             self._step(time.monotonic() - self._flushed_at >= FLUSH_S)
+            wait = interval
 
     def _step(self, flush: bool) -> None:
         with contextlib.suppress(Exception):  # never the training's problem
@@ -312,10 +316,14 @@ class MetricsSampler:
         return True
 
     def stop(self) -> None:
-        """A last sample and flush (the commands have ended: their last moments are kept)."""
+        """A last sample while the commands still run (a stop: their last moments are kept; once
+        they have exited there is nothing left to measure), and a last flush."""
         self._stop.set()
         self._thread.join(timeout=self.metrics.interval_s + 30)
-        self._step(flush=True)
+        if self._root_pid() is not None:
+            with contextlib.suppress(Exception):
+                self.sample()
+        self.flush()
         self._gpus.close()
 
 

@@ -49,10 +49,13 @@ def rank_lines(rank: RankMetrics, now: float) -> Lines:
     cpu = f"{s.cpu_cores:.2f} cores"
     if rank.cpu_request:
         cpu += f" of {rank.cpu_request:g} requested ({s.cpu_cores / rank.cpu_request:.0%})"
+    cores = [x.cpu_cores for x in rank.samples]
+    cpu += f"; peak {max(cores):.2f}, mean {sum(cores) / len(cores):.2f}"
     memory = human_bytes(s.memory_bytes)
     if rank.memory_request_bytes:
         share = s.memory_bytes / rank.memory_request_bytes
         memory += f" of {human_bytes(rank.memory_request_bytes)} requested ({share:.0%})"
+    memory += f"; peak {human_bytes(max(x.memory_bytes for x in rank.samples))}"
     lines: Lines = [("CPU", cpu), ("memory", memory), ("processes", str(s.processes))]
     for g in s.gpus:
         name = rank.gpu_names.get(g.index)
