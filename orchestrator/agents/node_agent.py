@@ -279,7 +279,7 @@ class NodeAgent:
         try:
             yield from self._run_each(commands, full_env, cwd, mask)
         finally:
-            self._end_sampling()  # a closed stream; the ending itself samples before it is said
+            self._end_sampling()  # a closed stream (otherwise it ended before the ending was said)
 
     def _run_each(
         self, commands: tuple[str, ...], full_env: dict[str, str], cwd: str, mask: SecretMasker
