@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -18,6 +19,8 @@ import pytest
 from test_checkpoint_upload import uploader, write_checkpoint
 
 from orchestrator.agents import node_metrics
+from orchestrator.agents.messages import MetricsRequest
+from orchestrator.agents.node_agent import NodeAgent
 from orchestrator.agents.node_metrics import (
     DiskSizes,
     GpuProbe,
@@ -30,6 +33,7 @@ from orchestrator.storage.metrics import (
     RankMetrics,
     read_job_metrics,
     read_rank_metrics,
+    write_rank_metrics,
 )
 from orchestrator.storage.root import StorageRoot
 
@@ -224,3 +228,39 @@ def test_once_the_commands_have_exited_stop_adds_no_empty_sample(tmp_path):
     s.stop()
     stored = read_rank_metrics(root, "job-m", 1)
     assert stored is not None and len(stored.samples) == count  # written, nothing added
+
+
+def test_a_replacement_agent_goes_on_with_the_stored_series_and_never_waits_on_storage(
+    tmp_path, s3_outage, monkeypatch
+):
+    """A lost node's rank starts again on another node: its samples go on from what was stored.
+    A storage root that does not answer then must not hold up the rank's commands."""
+    monkeypatch.setenv("ORCHESTRATOR_NODE_ROOT", str(tmp_path / "node"))
+    bucket = f"series-{uuid.uuid4().hex[:8]}"
+    root = StorageRoot(f"s3://{bucket}/root")
+    root.fs.mkdir(bucket)
+    earlier = RankMetrics(job_id="job-r", rank=1, node_id="lost-node")
+    earlier.add(MetricsSample(at=1.0, cpu_cores=3.0, memory_bytes=MiB, processes=2))
+    write_rank_metrics(root, earlier)
+    request = MetricsRequest(project="p", interval_s=0.2)
+
+    def replacement() -> NodeAgent:
+        agent = NodeAgent("job-r", 1, root.url)
+        agent.node_info = lambda: {"node_id": "new-node", "hostname": "h2"}  # no Ray here
+        return agent
+
+    agent = replacement()
+    agent._start_sampling(request)
+    time.sleep(0.6)
+    agent._end_sampling()
+    stored = read_rank_metrics(root, "job-r", 1)
+    assert stored is not None and stored.samples[0].at == 1.0 and len(stored.samples) >= 2
+    assert stored.node_id == "new-node"
+
+    s3_outage.down()
+    agent = replacement()
+    started = threading.Thread(target=agent._start_sampling, args=(request,), daemon=True)
+    started.start()
+    started.join(timeout=20)
+    assert not started.is_alive(), "the rank's start waited on the storage root"
+    agent._end_sampling()

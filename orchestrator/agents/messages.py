@@ -114,6 +114,7 @@ class MetricsRequest:
     interval_s: float  # 0: not sampled
     memory_request_bytes: int | None = None
     cpu_request: float | None = None
+    checkpointing: bool = False  # the rank has a checkpoint uploader to ask for its backlog
 
 
 @dataclass(frozen=True)

@@ -335,12 +335,13 @@ class NodeAgent:
             return
         import ray
 
-        from orchestrator.agents.node_metrics import Gauges, MetricsSampler
+        from orchestrator.agents.node_metrics import Gauges, MetricsSampler, no_wait_root
         from orchestrator.storage.metrics import RankMetrics, read_rank_metrics
 
         if self._metrics is None:  # a replacement agent goes on with what the lost one stored
-            with contextlib.suppress(Exception):
-                self._metrics = read_rank_metrics(self.storage, self.job_id, self.rank)
+            with contextlib.suppress(Exception):  # not in an outage: the commands wait for this
+                root = no_wait_root(self.storage.url)
+                self._metrics = read_rank_metrics(root, self.job_id, self.rank)
         info = self.node_info()
         metrics = self._metrics = self._metrics or RankMetrics(job_id=self.job_id, rank=self.rank)
         metrics.node_id, metrics.hostname = info["node_id"], info["hostname"]
@@ -352,9 +353,10 @@ class NodeAgent:
             with contextlib.suppress(Exception):
                 gauges = Gauges(self.job_id, request.project, self.rank)
         gpus = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+        uploads = self._upload_stats if request.checkpointing else _no_uploads
         self._sampler = MetricsSampler(
             metrics, self.storage.url, root_pid=self._command_pid, dirs=self._sampled_dirs,
-            disk_of=self.base, gpus=gpus, uploads=self._upload_stats, gauges=gauges,
+            disk_of=self.base, gpus=gpus, uploads=uploads, gauges=gauges,
         )  # fmt: skip
 
     def _end_sampling(self) -> None:
@@ -517,6 +519,11 @@ class NodeAgent:
 
     def _tag(self, line: str, progress: bool = False) -> str:
         return rank_line(self.rank, time.strftime("%H:%M:%S"), line, progress)
+
+
+def _no_uploads() -> None:
+    """A job without checkpointing has no uploader to ask."""
+    return None
 
 
 def _cluster_address() -> str | None:

@@ -252,8 +252,7 @@ class MetricsSampler:
         gauges: Gauges | None,
     ) -> None:
         self.metrics = metrics
-        # Never rides out an outage: a flush that fails is tried again at the next one.
-        self._storage = StorageRoot(storage_url, StorageRetry(storage_url, 0, say=_quiet))
+        self._storage = no_wait_root(storage_url)  # a flush that fails goes again at the next
         self._root_pid, self._disk_of, self._uploads = root_pid, disk_of, uploads
         self._tree, self._disks, self._net = ProcessTree(), DiskSizes(dirs), NetworkRate()
         self._gpus = GpuProbe(gpus)
@@ -325,6 +324,12 @@ class MetricsSampler:
                 self.sample()
         self.flush()
         self._gpus.close()
+
+
+def no_wait_root(url: str) -> StorageRoot:
+    """The storage root without riding out an outage: a call fails at once (the sampler tries
+    again later), so sampling never holds up the rank or its commands."""
+    return StorageRoot(url, StorageRetry(url, 0, say=_quiet))
 
 
 def _quiet(_: str) -> None:

@@ -9,8 +9,9 @@ of lines. So the splitter turns bytes as they arrive into pieces:
   state (the text before its newline, or the last state when the newline comes right after a
   `\\r`);
 - a **progress** piece for the latest state of a line rewritten by `\\r`, at most one every
-  `UPDATE_EVERY_S` (the latest state at that moment; the first after a quiet spell at once),
-  and always the pending one before a line, so order holds;
+  `UPDATE_EVERY_S` (the latest state at that moment; the first after a quiet spell at once); a
+  state not yet forwarded when its line ends is dropped (the line is newer), and one pending
+  when a long line is cut goes before the cut, so order holds;
 - a **progress** piece for text with no ending yet that has waited `PARTIAL_AFTER_S`
   (`print("loading...", end="")`), shown until its line ends;
 - text that goes on for `MAX_LINE_CHARS` (256 KiB) without an ending is cut there into a line
@@ -113,7 +114,7 @@ class OutputSplitter:
     # --- the line under construction -----------------------------------------------------------
 
     def _text_before(self, text: str, now: float, pieces: list[Piece]) -> None:
-        """Text up to the next ending; after a `\r` it begins a new state of the line."""
+        """Text up to the next ending; after a `\\r` it begins a new state of the line."""
         if text and self._cr:
             self._cr = False
             self._state(now, pieces)
@@ -133,14 +134,14 @@ class OutputSplitter:
             pieces.append(Piece(self._mask(head)))
 
     def _cut_at(self, at: int) -> int:
-        """`at`, or the start of a secret that would straddle it (its end, if it starts at 0),
-        or of what could be a secret whose rest has not been read yet."""
+        """`at`, or the start of a secret that would straddle it, or of what could be a secret
+        whose rest has not been read yet (never 0: `_max` is over twice the longest secret)."""
         pattern = self._mask.pattern
         if pattern is None:
             return at
         for match in pattern.finditer(self._text, max(0, at - len(self._mask.pieces[0]))):
             if match.start() < at < match.end():
-                return match.start() or match.end()
+                return match.start()
         return min(at, len(self._text) - self._mask.open_end(self._text))
 
     def _state(self, now: float, pieces: list[Piece]) -> None:
@@ -154,7 +155,7 @@ class OutputSplitter:
             self._forward_update(now, pieces)
 
     def _newline(self, pieces: list[Piece], final: bool = False) -> None:
-        """A line ended: kept whole. Ended right after a `\r`, it is the bar's last state. A
+        """A line ended: kept whole. Ended right after a `\\r`, it is the bar's last state. A
         state not yet forwarded is dropped: the line that ends it is newer."""
         text = self._text or self._last_state or ""
         self._text, self._text_since, self._shown_partial = "", None, None

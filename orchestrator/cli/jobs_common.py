@@ -50,10 +50,10 @@ def announce(job: JobHandle, what: str, output: OutputFormat) -> None:
     )
 
 
-def follow(job: JobHandle, in_place: bool | None = None) -> int:
+def follow(job: JobHandle) -> int:
     """Print the job's log lines as they arrive (on a terminal, a progress bar's states drawn
     over each other), then how it ended; its exit code."""
-    shown = LineRenderer(sys.stdout, sys.stdout.isatty() if in_place is None else in_place)
+    shown = LineRenderer(sys.stdout, sys.stdout.isatty())
     for line in job.logs(follow=True, progress_every_s=0):
         shown.show(line)
     shown.close()

@@ -150,6 +150,7 @@ class Attempts:
                     interval_s=record.metrics_interval_s,
                     memory_request_bytes=job.compute.memory_bytes,
                     cpu_request=job.compute.cpu_count,
+                    checkpointing=job.runtime.checkpointing_config.enabled,
                 ),
             )
             for node in self.job.status.nodes
