@@ -208,6 +208,34 @@ def test_a_lost_node_is_replaced_and_the_job_resumes_from_its_checkpoint(
     assert_nothing_left(job, faults)
 
 
+def test_a_crashed_node_costs_one_retry_and_its_rank_runs_on_another_node(
+    tmp_path, storage_root, faults
+):
+    """A node that crashes (its processes killed, no goodbye to the GCS) looks alive to Ray
+    until its health checks fail: the job waits for that verdict, never blames the agent and
+    never places the replacement on the dead node, so one lost node costs one retry."""
+    faults.ensure_workers(3)
+    config = gang(tmp_path / "job", steps=6, step_s=1.0)
+    job = push(config, address=faults.dashboard_url, storage_root=storage_root, retries=1)
+    eventually(lambda: {"checkpoint-2"} <= stored(job, 0), "rank 0's second checkpoint", 90)
+    crashed = job.details().nodes[0].node_id  # the leader's node
+    faults.cluster.remove_node(faults.node(crashed), allow_graceful=False)
+
+    assert job.wait(timeout=150) == JobState.COMPLETED, "\n".join(job.logs()[-40:])
+    status = job.details()
+    first, second = status.attempts
+    assert (first.cause, first.rank, first.node_id) == ("node_lost", 0, crashed), first
+    assert "was lost" in first.reason and "lives" not in first.reason, first.reason
+    assert first.decision == "retried: retry 1 of 1"
+    assert second.decision == "completed" and second.resumed_from is not None
+    assert status.nodes[0].node_id != crashed and status.nodes[0].prepared_for == 1
+    resumed = second.resumed_from.split("-")[1]
+    rank0 = [line for line in lines_of(job, 0) if line.startswith("attempt 1 ")]
+    assert rank0[0].endswith(f"resumes at {resumed}"), rank0
+    assert {f"checkpoint-{i}" for i in range(1, 7)} <= stored(job, 1)
+    assert_nothing_left(job, faults)
+
+
 def test_a_preempted_node_saves_on_sigterm_and_the_job_resumes_on_another(
     tmp_path, storage_root, faults
 ):

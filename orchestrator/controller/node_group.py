@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +54,10 @@ from orchestrator.storage.records import Failure, JobRecord
 POLL_S = 0.2
 CACHE_AFFINITY_WAIT_S = 3.0
 NODE_DEATH_WAIT_S = 3.0  # a dead agent's node is looked at this long before it is called alive
+# A node that crashed (no goodbye to the GCS) is declared dead once Ray's health checks fail:
+# about 15 s with Ray's defaults. A node whose raylet does not answer is waited on this long.
+NODE_VERDICT_WAIT_S = 60.0
+RAYLET_PROBE_S = 1.0  # a connection to a live raylet's port is accepted well within this
 
 
 class NodeGroupError(Exception):
@@ -192,6 +197,7 @@ class RayNodeGroup:
         self.cache_affinity: str | None = None
         self.node_ids: dict[int, str] = {}  # rank -> the node it was prepared on
         self.drained: set[str] = set()  # nodes seen draining (preempted) during the job
+        self.silent: set[str] = set()  # nodes judged lost while the GCS still called them alive
         self.attempt = 0  # the rendezvous' generation
 
     # --- placing ---------------------------------------------------------------------------
@@ -411,14 +417,28 @@ class RayNodeGroup:
         if run.lost is None:
             failure = run.failure()
             return Fault(FaultKind.COMMAND_FAILED, failure.cause, run.rank, node_id or None)
-        # The agent's death is told before, or just as, its node's: look at the node a moment.
-        deadline = time.monotonic() + NODE_DEATH_WAIT_S
-        while (alive := node_id in _alive_nodes()) and time.monotonic() < deadline:
+        if self._node_lost(node_id):
+            return self._node_gone(run.rank, node_id)
+        why = f"rank {run.rank}'s node agent died ({short_error(run.lost)}); its node lives"
+        return Fault(FaultKind.AGENT_LOST, why, run.rank, node_id)
+
+    def _node_lost(self, node_id: str) -> bool:
+        """Whether a node whose agent vanished is gone. A removed node is told dead about as
+        soon as its agent; a crashed one looks alive until Ray's health checks fail, so a node
+        whose raylet does not answer is waited on for the GCS's verdict, never called alive."""
+        now = time.monotonic()
+        alive_after, lost_after = now + NODE_DEATH_WAIT_S, now + NODE_VERDICT_WAIT_S
+        while True:
+            node = _live_nodes().get(node_id)
+            if node is None:
+                return True
+            now = time.monotonic()
+            if now >= alive_after and _raylet_answers(node):
+                return False
+            if now >= lost_after:  # silent for a minute: lost, whatever the GCS says yet
+                self.silent.add(node_id)
+                return True
             time.sleep(POLL_S)
-        if alive:
-            why = f"rank {run.rank}'s node agent died ({short_error(run.lost)}); its node lives"
-            return Fault(FaultKind.AGENT_LOST, why, run.rank, node_id)
-        return self._node_gone(run.rank, node_id)
 
     def _node_gone(self, rank: int, node_id: str) -> Fault:
         """A rank's node is no longer alive: preempted if it was seen draining, else lost."""
@@ -433,13 +453,17 @@ class RayNodeGroup:
         lost = next((r for r in self.runs if r.done.is_set() and r.lost is not None), None)
         if lost is not None:
             return self.fault_of(lost)
-        alive = _alive_nodes()
+        alive = _live_nodes()
         draining = self.draining()
         for rank, node_id in sorted(self.node_ids.items()):
             if rank in draining:
                 why = f"rank {rank}'s node {node_id[:12]} is being preempted"
                 return Fault(FaultKind.PREEMPTED, why, rank, node_id)
             if node_id not in alive:
+                return self._node_gone(rank, node_id)
+        # A peer that crashed a moment ago: alive to the GCS, but its raylet is silent.
+        for rank, node_id in sorted(self.node_ids.items()):
+            if not _raylet_answers(alive[node_id]) and self._node_lost(node_id):
                 return self._node_gone(rank, node_id)
         return None
 
@@ -459,13 +483,20 @@ class RayNodeGroup:
         while True:
             check_stop()
             alive = _alive_nodes()
-            leaving = [n for n in gone if n in alive and n in self.drained]
-            if not leaving and _placement_state(self.pg) == "CREATED":
+            # A preempted node keeps its bundles until it is gone, and so does a crashed one
+            # until the GCS declares it dead: an agent placed there meanwhile never runs.
+            leaving = [n for n in gone if n in alive and n in self.drained | self.silent]
+            if not leaving and self._placed_elsewhere(ranks, set(gone) - alive):
                 break
-            if leaving:  # a preempted node keeps its bundles until it is gone
+            if leaving and leaving[0] in self.drained:
                 new_reason = (
                     f"waiting for preempted node {leaving[0][:12]} to go, so that its rank is "
                     "placed elsewhere"
+                )
+            elif leaving:
+                new_reason = (
+                    f"waiting for Ray to declare node {leaving[0][:12]} dead (its raylet does "
+                    "not answer), so that its rank is placed elsewhere"
                 )
             else:
                 bundle = bundles_for(self.record.spec.job.compute)[0]
@@ -483,6 +514,15 @@ class RayNodeGroup:
         for rank in ranks:
             self.node_ids.pop(rank, None)
             self.agents[rank] = self._start_agent(rank)
+
+    def _placed_elsewhere(self, ranks: list[int], dead: set[str]) -> bool:
+        """The group is placed again and none of `ranks` is on a `dead` node (the GCS may tell
+        a node's death a moment before it moves the node's bundles)."""
+        table = ray.util.placement_group_table(self.pg)
+        where = table.get("bundles_to_node_id", {})
+        return str(table.get("state", "")) == "CREATED" and not any(
+            str(where.get(rank, "")) in dead for rank in ranks
+        )
 
     def write_back_cache(
         self, leader_node_id: str, wait_s: float | None
@@ -514,12 +554,24 @@ def use_image_uri() -> bool:
     return settings.USE_IMAGE_URI.get()
 
 
+def _live_nodes() -> dict[str, dict[str, Any]]:
+    """The nodes the GCS calls alive, by id, as `ray.nodes()` describes them."""
+    return {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+
+
 def _alive_nodes() -> set[str]:
-    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return set(_live_nodes())
 
 
-def _placement_state(pg: Any) -> str:
-    return str(ray.util.placement_group_table(pg).get("state", ""))
+def _raylet_answers(node: dict[str, Any]) -> bool:
+    """Whether the node's raylet accepts a connection: a crashed node's does not, long before
+    the GCS declares it dead."""
+    address = (node["NodeManagerAddress"], node["NodeManagerPort"])
+    try:
+        with socket.create_connection(address, timeout=RAYLET_PROBE_S):
+            return True
+    except OSError:
+        return False
 
 
 def short_error(e: BaseException) -> str:
