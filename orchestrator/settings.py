@@ -112,6 +112,7 @@ CONFIG_LOAD_TIMEOUT_S = _setting("CONFIG_LOAD_TIMEOUT_S", 60.0, positive_float, 
 MAX_NODE_COUNT = _setting("MAX_NODE_COUNT", 256, whole_number, CLIENT)
 MAX_CPU_COUNT = _setting("MAX_CPU_COUNT", 1024, whole_number, CLIENT)
 MAX_GPUS_PER_NODE = _setting("MAX_GPUS_PER_NODE", 16, whole_number, CLIENT)
+MAX_MEMORY_BYTES = _setting("MAX_MEMORY_BYTES", 64 * 1024**4, whole_bytes, CLIENT)  # 64 TiB
 RAY_CLIENT_ADDRESS = _setting("RAY_CLIENT_ADDRESS", None, text, CLIENT)
 TERMINAL_LOST_S = _setting("TERMINAL_LOST_S", 60.0, positive_float, CLIENT)
 # Read at push and stored in the job's record (storage/checkpoints.py, storage/retry.py parse

@@ -28,6 +28,7 @@ class SupportReport:
 MAX_NODE_COUNT = settings.MAX_NODE_COUNT
 MAX_CPU_COUNT = settings.MAX_CPU_COUNT
 MAX_GPUS_PER_NODE = settings.MAX_GPUS_PER_NODE
+MAX_MEMORY_BYTES = settings.MAX_MEMORY_BYTES
 
 
 def limit(setting: settings.Setting[int]) -> int:
@@ -41,6 +42,7 @@ def _over_limits(job: TrainingJob) -> list[str]:
         ("compute.node_count", compute.node_count, MAX_NODE_COUNT, "nodes"),
         ("compute.cpu_count", compute.cpu_count, MAX_CPU_COUNT, "CPUs per node"),
         ("compute.accelerator.count", compute.gpus_per_node, MAX_GPUS_PER_NODE, "GPUs per node"),
+        ("compute.memory", compute.memory_bytes, MAX_MEMORY_BYTES, "bytes of memory per node"),
     )
     return [
         f"{field}: {value} {what} is more than any cluster here has (at most "

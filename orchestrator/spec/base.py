@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import posixpath
 import re
+from fractions import Fraction
 from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
@@ -110,7 +111,7 @@ def parse_memory(value: str) -> int:
             "k, M, G, T, P, E, Ki, Mi, Gi, Ti, Pi, Ei (for example '2Gi' or '512Mi')"
         )
     number, unit = match.groups()
-    return int(float(number) * _MEMORY_UNITS[unit])
+    return int(Fraction(number) * _MEMORY_UNITS[unit])  # exact: floats garble large sizes
 
 
 def check_memory(value: str) -> str:
