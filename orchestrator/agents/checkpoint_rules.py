@@ -1,5 +1,6 @@
-"""The uploader's rules: which entries of `$BT_CHECKPOINT_DIR` are checkpoints, and what says a
-checkpoint is not finished yet. docs/architecture.md#the-checkpoint-uploader states them in words.
+"""The uploader's rules: which entries of `$BT_CHECKPOINT_DIR` are checkpoints, what says a
+checkpoint is not finished yet, and which later checkpoint of a series says an earlier one is.
+docs/architecture.md#the-checkpoint-uploader states them in words.
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ def unfinished(name: str, seen: Snapshot, rank: int) -> str | None:
                 where = f"{d}/" if d else ""
                 return f"torch.distributed.checkpoint shards without {where}.metadata"
     return None
+
+
+_NUMBERS = re.compile(r"\d+")
+
+
+def follows(newer: str, older: str) -> bool:
+    """Whether `newer` is a later checkpoint of `older`'s series: the same name once each run of
+    digits is blanked out (`checkpoint-#`, `step_#`, `epoch=#-step=#`), no number smaller and
+    one larger. Trainers save a series one checkpoint after another, so starting the later one
+    says the earlier is whole; `best` or an export never speaks for `checkpoint-2`, nor a count
+    that went back (`run4-step-50` after `run3-step-100`)."""
+    if _NUMBERS.sub("#", newer) != _NUMBERS.sub("#", older):
+        return False
+    new, old = ([int(n) for n in _NUMBERS.findall(name)] for name in (newer, older))
+    return bool(new) and new != old and all(a >= b for a, b in zip(new, old, strict=True))
 
 
 def open_for_writing(directory: Path) -> set[str]:

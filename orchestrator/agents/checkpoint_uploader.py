@@ -9,6 +9,7 @@ happens on delete and rewrite) are in docs/architecture.md#the-checkpoint-upload
 from __future__ import annotations
 
 import fnmatch
+import os
 import shutil
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 from orchestrator.agents.checkpoint_rules import (
     TEMPORARY_PATTERNS,
     EntryKind,
+    follows,
     open_for_writing,
     read_earlier_checkpoints,
     top_level,
@@ -64,6 +66,7 @@ class _Tracked:
     seen: Snapshot | None = None
     changed_at: float = 0.0  # monotonic: when `seen` last differed from the scan before
     changed_wall: float = 0.0
+    changed_scan: int = 0  # the scan that first saw `seen`
     ready: str | None = None  # why the content in `seen` is complete, once it is
     ready_wall: float = 0.0
     stored: Manifest | None = None  # the version in the storage root
@@ -74,6 +77,14 @@ class _Tracked:
     restored: str | None = None  # the fingerprint of the stored version restored here
     gone: str | None = None  # deleted locally before it was stored: why it is not
     said: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Sighting:
+    """When one of this job's checkpoints was first listed: the latest it can have been made."""
+
+    scan: int
+    ctime_ns: int  # its directory's ctime then (by the file clock that dates what was written)
 
 
 class CheckpointUploader:
@@ -117,6 +128,11 @@ class CheckpointUploader:
         self._renames: RenameWatch | None = None
         self._started = threading.Event()  # watching: the baseline is known, renames are seen
         self._last_recheck = 0.0
+        self._scans = 0
+        self._sightings: dict[str, _Sighting] = {}  # this job's checkpoints listed now
+        # name -> the scan in which a later one of its series was first listed while a file of
+        # it was held open for writing: not whole when the later one started.
+        self._open_when_followed: dict[str, int] = {}
         self._open_writers: set[str] | None = None  # per scan, asked only when needed
         self._lock = threading.Lock()  # one scan (and upload) at a time
         self._done = UploadStats()  # what this uploader has stored (the backlog is worked out)
@@ -156,7 +172,8 @@ class CheckpointUploader:
 
     def writer_ended(self, clean: bool, how: str, at: float | None = None) -> None:
         """The rank's commands ended (`clean`: the last one exited 0): from now on a checkpoint
-        is complete only by what its writer left, never because it has been quiet."""
+        is complete only by what its writer left (a later one of its series started after it
+        counts), never because it has been quiet."""
         if self._writer_end is None:
             self._writer_end = (clean, at or time.time(), how)
 
@@ -269,6 +286,8 @@ class CheckpointUploader:
             renamed = self._renames.renamed() if self._renames else set()
             appeared = self._renames.appeared() if self._renames else set()
             entries = top_level(self.local_dir, self.settings.temporary_patterns)
+            self._scans += 1
+            self._notice_new(entries)
             self._notice_vanished(appeared - set(entries))
             self.ignored = {n: k for n, k in self.ignored.items() if entries.get(n) == k}
             for name, kind in entries.items():
@@ -316,6 +335,7 @@ class CheckpointUploader:
         now = time.monotonic()
         if t.seen is None or seen.fingerprint != t.seen.fingerprint:
             t.seen, t.changed_at, t.changed_wall, t.ready = seen, now, time.time(), None
+            t.changed_scan = self._scans
         if not t.looked_up:
             t.looked_up = True  # a restarted uploader finds what it committed before
             t.stored = self.store.manifest(self.project, self.job_id, self.rank, name)
@@ -339,7 +359,10 @@ class CheckpointUploader:
         if t.seen.marked_complete:
             return MARKED
         if self._writer_end is not None:
-            return WRITER_DONE if self._writer_end[0] else None
+            if self._writer_end[0]:
+                return WRITER_DONE
+            newer = self._followed(name, t)
+            return None if newer is None else f"{newer}, later in its series, started after it"
         quiet = now - t.changed_at
         if quiet < self.settings.settle_s:
             return None
@@ -378,11 +401,63 @@ class CheckpointUploader:
             late = t.ready == SETTLED and t.ready_wall > ended
             if clean or not late or ended - t.changed_wall >= self.settings.settle_s:
                 continue
+            if self._followed(name, t) is not None:
+                continue  # whole all the same: a later one of its series was started after it
             t.ready = None
             if self._is_current(t) and t.stored is not None and t.stored.complete:
                 why = self._why_incomplete(name, t)
                 t.stored = self.store.mark_incomplete(t.stored, why)
                 self._event(f"checkpoint {name} marked INCOMPLETE: {why}")
+
+    def _followed(self, name: str, t: _Tracked) -> str | None:
+        """A later checkpoint of `name`'s series started after `name` last changed, which says
+        it is whole (trainers start the next save once the last is written), unless its writer
+        said otherwise: a known writer's rule (`unfinished`), a completion marker older than its
+        files, or a file of it held open for writing when the later one was first listed."""
+        seen = t.seen
+        if seen is None or seen.marker_ns is not None or unfinished(name, seen, self.rank):
+            return None
+        if self._open_when_followed.get(name, -1) >= t.changed_scan:
+            return None
+        for newer, sighting in sorted(self._sightings.items()):
+            # First listed no earlier than the scan that first saw this content, and, for the
+            # order inside one scan, made no earlier than this content's newest file.
+            if (
+                follows(newer, name)
+                and sighting.scan >= t.changed_scan
+                and seen.newest_ns <= sighting.ctime_ns
+            ):
+                return newer
+        return None
+
+    def _notice_new(self, entries: dict[str, EntryKind]) -> None:
+        """Note each of this job's checkpoints the first time it is listed (for `_followed`),
+        and which earlier ones of its series then have a file held open for writing."""
+        listed = {n for n, k in entries.items() if k == EntryKind.CHECKPOINT}
+        self._sightings = {n: s for n, s in self._sightings.items() if n in listed}
+        new = []
+        for name in sorted(listed - self._sightings.keys()):
+            if name in self.earlier or name in self.restored:
+                continue  # not this job's: it says nothing of this job's checkpoints
+            try:
+                ctime_ns = os.stat(self.local_dir / name, follow_symlinks=False).st_ctime_ns
+            except FileNotFoundError:
+                continue
+            self._sightings[name] = _Sighting(self._scans, ctime_ns)
+            new.append(name)
+        if not new or len(listed) < 2:
+            return
+        for older in self._held_open(listed):
+            if any(follows(name, older) for name in new):
+                self._open_when_followed[older] = self._scans
+
+    def _held_open(self, names: set[str]) -> set[str]:
+        """Those of `names` with a file some process holds open for writing."""
+        if self._open_writers is None:
+            self._open_writers = open_for_writing(self.local_dir)
+        top = f"{os.path.realpath(self.local_dir)}{os.sep}"
+        held = {p[len(top) :].split(os.sep, 1)[0] for p in self._open_writers if p.startswith(top)}
+        return held & names
 
     # --- uploading -----------------------------------------------------------------------------
 
