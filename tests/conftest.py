@@ -42,6 +42,39 @@ NODE_SECRETS = {
 }
 
 
+# Fixtures that start Ray: a test using one is a `cluster` test. Other tests that start Ray
+# themselves (a simulated cluster, `ray start`) are marked in their modules.
+CLUSTER_FIXTURES = {"ray_cluster"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "cluster: starts Ray; `pytest -m 'not cluster'` runs every other test"
+    )
+    if "not cluster" in (config.option.markexpr or ""):
+        _forbid_ray()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
+
+
+def _forbid_ray() -> None:
+    """Under `-m 'not cluster'`, a test that starts or joins Ray fails and says to mark it: the
+    marker cannot drift from what the tests do."""
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("this test starts Ray: mark it with @pytest.mark.cluster")
+
+    ray.init = refuse
+    Cluster.__init__ = refuse
+    LocalCluster.ensure_running = refuse
+    LocalCluster.start = refuse
+
+
 @pytest.fixture(scope="session")
 def orchestrator_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A private ORCHESTRATOR_HOME, so tests never touch the user's cluster or records."""

@@ -30,6 +30,8 @@ from orchestrator.client.jobs import JobHandle
 from orchestrator.client.overrides import Overrides
 from orchestrator.lifecycle import JobState
 
+pytestmark = pytest.mark.cluster  # starts Ray itself (a simulated or local cluster)
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A trainer that resumes from the newest checkpoint in $BT_CHECKPOINT_DIR, saves one per step

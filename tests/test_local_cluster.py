@@ -26,6 +26,8 @@ from orchestrator.cluster.local import (
 )
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 
+pytestmark = pytest.mark.cluster  # starts Ray itself (a simulated or local cluster)
+
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 

@@ -34,6 +34,8 @@ from orchestrator.lifecycle import JobState
 from orchestrator.storage.metrics import RankMetrics, read_job_metrics
 from orchestrator.storage.root import StorageRoot
 
+pytestmark = pytest.mark.cluster  # starts Ray itself (a simulated or local cluster)
+
 MiB = 2**20
 
 WORKERS = 3

@@ -26,6 +26,8 @@ from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.queue_store import QueueEntry, QueueStore
 from orchestrator.storage.root import StorageRoot
 
+pytestmark = pytest.mark.cluster  # starts Ray itself (a simulated or local cluster)
+
 WORKERS = 4
 
 

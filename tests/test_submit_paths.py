@@ -11,12 +11,15 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import make_job
 
 from orchestrator.client.api import get_job, push
 from orchestrator.cluster.local import LocalCluster, embedded_env
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.lifecycle import JobState
+
+pytestmark = pytest.mark.cluster  # starts Ray itself (a simulated or local cluster)
 
 MNIST = Path(__file__).resolve().parents[1] / "recipes" / "mnist-pytorch" / "config.py"
 RAY = str(Path(sys.executable).parent / "ray")
