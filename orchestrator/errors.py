@@ -33,3 +33,7 @@ class WorkspaceError(ConfigError):
 
 class UnsupportedFeatureError(OrchestratorError):
     """A config asks for a Baseten feature this orchestrator does not provide."""
+
+
+class SubmitError(OrchestratorError):
+    """Ray's Job API refused a job, or did not take it within ORCHESTRATOR_SUBMIT_WAIT_S."""

@@ -115,6 +115,9 @@ MAX_GPUS_PER_NODE = _setting("MAX_GPUS_PER_NODE", 16, whole_number, CLIENT)
 MAX_MEMORY_BYTES = _setting("MAX_MEMORY_BYTES", 64 * 1024**4, whole_bytes, CLIENT)  # 64 TiB
 RAY_CLIENT_ADDRESS = _setting("RAY_CLIENT_ADDRESS", None, text, CLIENT)
 TERMINAL_LOST_S = _setting("TERMINAL_LOST_S", 60.0, positive_float, CLIENT)
+# How long a submission waits out a Ray head that is still starting (its dashboard not up, or
+# up before its agent: "No available agent"); 0: no wait.
+SUBMIT_WAIT_S = _setting("SUBMIT_WAIT_S", 30.0, seconds, CLIENT)
 # Read at push and stored in the job's record (storage/checkpoints.py, storage/retry.py parse
 # them as a group, each named here).
 CHECKPOINT_CONCURRENCY = _setting("CHECKPOINT_CONCURRENCY", None, text, CLIENT)

@@ -230,7 +230,7 @@ class JobHandle:
         """Run one shell command in the running job's rank `rank`, as its commands run (working
         directory, environment, secrets resolved on the node and masked in the output); its
         exit code and output. Goes through the Job API as a short Ray job: no SSH, no ports."""
-        from orchestrator.client.submit import remote_python
+        from orchestrator.client.submit import remote_python, submit_ray_job
         from orchestrator.controller.job_shell import NOT_RUN_EXIT, OUTPUT_MARKER
 
         if (state := self.refresh().state).is_terminal:
@@ -241,8 +241,10 @@ class JobHandle:
             "--job-id", self.id, "--rank", str(rank), "--timeout", f"{timeout_s:g}", command,
         ])  # fmt: skip
         shell_id = f"{self.id}-shell-{uuid.uuid4().hex[:8]}"
-        client.submit_job(entrypoint=entrypoint, submission_id=shell_id, entrypoint_num_cpus=0,
-                          metadata={"orchestrator_shell_of": self.id})  # fmt: skip
+        submit_ray_job(
+            self._client, str(self.record.ray_address), shell_id, entrypoint=entrypoint,
+            entrypoint_num_cpus=0, metadata={"orchestrator_shell_of": self.id},
+        )  # fmt: skip
         deadline = time.monotonic() + timeout_s + 120
         while not client.get_job_status(shell_id).is_terminal():
             if time.monotonic() > deadline:

@@ -7,13 +7,15 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from orchestrator import settings
 from orchestrator.client.connection import Connection
 from orchestrator.client.prepare import PreparedJob
 from orchestrator.client.workspace import write_archive
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import OrchestratorError, SubmitError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.job_store import JobStore
@@ -22,9 +24,13 @@ from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStat
 from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.root import StorageRoot
 
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient
+
 REMOTE_PYTHON_ENV = settings.PYTHON.name
 SHARED_FS_ENV = settings.SHARED_FILESYSTEM.name
 SCHEDULING_TIMEOUT_ENV = settings.SCHEDULING_TIMEOUT_S.name
+SUBMIT_WAIT_ENV = settings.SUBMIT_WAIT_S.name
 
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -186,9 +192,11 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
     job_id = record.job_id
     image = record.spec.job.image.base_image
     try:
-        connection.client().submit_job(
+        submit_ray_job(
+            connection.client,
+            connection.address,
+            job_id,
             entrypoint=controller_entrypoint(job_id, root, connection),
-            submission_id=job_id,
             metadata={
                 "orchestrator_project": record.project,
                 "orchestrator_job_name": record.job_name or "",
@@ -199,7 +207,70 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
         )
     except Exception as e:
         store = JobStore(root)
-        failure = Failure(cause=f"submitting to Ray at {connection.address} failed: {e}")
+        failure = Failure(cause=str(e))
         status = store.status(job_id).moved_to(JobState.DEPLOY_FAILED, failure.cause)
         store.put_status(status.model_copy(update={"failure": failure}))
         raise
+
+
+# What Ray's Job API answers while a head that has just started cannot take jobs yet: nothing
+# listens on the dashboard's port, or the dashboard listens before the head's agent has reported
+# in (HTTP 500 "No available agent to submit job, please try again later").
+_NOT_READY_MESSAGES = ("No available agent", "try again later")
+_SUBMIT_RETRY_INTERVAL_S = 0.5
+
+
+def submit_ray_job(
+    client: Callable[[], JobSubmissionClient], address: str, submission_id: str, **job: Any
+) -> None:
+    """`client().submit_job(submission_id=..., **job)`, waiting out a head that is still starting
+    for up to ORCHESTRATOR_SUBMIT_WAIT_S (`push` right after `ray start --head` used to fail).
+
+    The submission id is Ray's idempotency key: a retry after an attempt that did reach Ray is
+    answered "already exists", and that job, being there, is ours. Anything else, or a head not
+    ready in time, is a one-line SubmitError.
+    """
+    wait_s = settings.SUBMIT_WAIT_S.get()
+    deadline = time.monotonic() + wait_s
+    retried = False
+    while True:
+        try:
+            client().submit_job(submission_id=submission_id, **job)
+            return
+        except Exception as e:
+            if retried and "already exists" in str(e) and _has_job(client, submission_id):
+                return
+            reason = _one_line(e)
+            if not _not_ready(e):
+                raise SubmitError(f"submitting to Ray at {address} failed: {reason}") from e
+            if time.monotonic() >= deadline:
+                raise SubmitError(
+                    f"the Ray cluster at {address} did not take the job within {wait_s:g} s "
+                    f"({reason}): if it has just started, wait until `ray status` lists its "
+                    f"head node and push again, or raise {SUBMIT_WAIT_ENV}"
+                ) from e
+        retried = True
+        time.sleep(_SUBMIT_RETRY_INTERVAL_S)
+
+
+def _not_ready(error: Exception) -> bool:
+    """Connection refused (Ray's client raises the builtin ConnectionError when it is made,
+    requests' own while a call is made), or Ray's own "try again later"."""
+    import requests
+
+    if isinstance(error, (ConnectionError, requests.exceptions.ConnectionError)):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _NOT_READY_MESSAGES)
+
+
+def _has_job(client: Callable[[], JobSubmissionClient], submission_id: str) -> bool:
+    try:
+        client().get_job_info(submission_id)
+    except Exception:
+        return False
+    return True
+
+
+def _one_line(error: Exception) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text.removeprefix("Request failed with status code ").rstrip(".")
