@@ -27,6 +27,10 @@ from orchestrator.spec.training import TrainingProject
 from orchestrator.spec.validation import describe_validation_error
 
 LOAD_TIMEOUT_ENV = settings.CONFIG_LOAD_TIMEOUT_S.name
+# A config runs against the process's sys.path, sys.modules and os._exit: two at once (pushes
+# from a thread pool) would import each other's sibling modules and restore each other's swaps.
+# Loading takes milliseconds; configs load one at a time.
+_LOADING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,11 @@ def validate_project(project: object) -> TrainingProject:
 
 
 def _execute(config_path: Path) -> ModuleType:
+    with _LOADING:
+        return _execute_alone(config_path)
+
+
+def _execute_alone(config_path: Path) -> ModuleType:
     digest = hashlib.sha1(str(config_path).encode()).hexdigest()[:10]
     name = f"_orchestrator_config_{digest}"
     spec = importlib.util.spec_from_file_location(name, config_path)
@@ -139,8 +148,9 @@ def _run(code: CodeType, namespace: dict[str, Any], config_path: Path) -> None:
     real_exit = os._exit
     os._exit = refuse_exit
     try:
-        # The shim is this thread's to remove: a config still running past the time limit
-        # must not leave `truss` importable for the rest of the process.
+        # The stand-ins go when this load ends, not when the config's thread does: a config
+        # still running past the time limit must not leave `truss` importable for the rest of
+        # the process.
         with baseten_imports():
             thread = threading.Thread(target=run, name=f"load {config_path.name}", daemon=True)
             thread.start()

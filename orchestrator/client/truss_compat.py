@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -74,28 +75,61 @@ def _shim_modules() -> dict[str, types.ModuleType]:
     }
 
 
+class _Installed:
+    """What `baseten_imports` put in place, kept while any config loads: a count of the loads
+    in progress, so a load that ends never takes the stand-ins from one still running (pushes
+    from a thread pool)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.loads = 0
+        self.shims: dict[str, types.ModuleType] = {}
+        self.real_push: Any = None
+
+
+_installed = _Installed()
+
+
 @contextmanager
 def baseten_imports() -> Iterator[None]:
     """While active (a config loading), Baseten's import paths resolve to our definitions, and
-    `truss_train.push` refuses, the real one too if truss is installed."""
-    if truss_installed():
-        import truss_train
-
-        real_push = truss_train.push
-        truss_train.push = _refuse_push
-        try:
-            yield
-        finally:
-            truss_train.push = real_push
-        return
-    added = {name: mod for name, mod in _shim_modules().items() if name not in sys.modules}
-    sys.modules.update(added)
+    `truss_train.push` refuses, the real one too if truss is installed. Safe from many threads
+    at once: the first to enter installs, the last to leave removes."""
+    with _installed.lock:
+        if _installed.loads == 0:
+            _install()
+        _installed.loads += 1
     try:
         yield
     finally:
-        for name, mod in added.items():
-            if sys.modules.get(name) is mod:
-                del sys.modules[name]
+        with _installed.lock:
+            _installed.loads -= 1
+            if _installed.loads == 0:
+                _uninstall()
+
+
+def _install() -> None:
+    if truss_installed():
+        import truss_train
+
+        _installed.real_push = truss_train.push
+        truss_train.push = _refuse_push
+        return
+    shims = {name: mod for name, mod in _shim_modules().items() if name not in sys.modules}
+    sys.modules.update(shims)
+    _installed.shims = shims
+
+
+def _uninstall() -> None:
+    if _installed.real_push is not None:
+        import truss_train
+
+        truss_train.push = _installed.real_push
+        _installed.real_push = None
+    for name, mod in _installed.shims.items():
+        if sys.modules.get(name) is mod:
+            del sys.modules[name]
+    _installed.shims = {}
 
 
 def is_truss_project(obj: object) -> bool:
