@@ -6,6 +6,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from orchestrator.cli import (
     cmd_deploy,
@@ -68,8 +69,13 @@ def main() -> None:
     try:
         app()
     except ConfigError as e:
-        _stderr.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        _print_error(e)
         sys.exit(2)
     except OrchestratorError as e:
-        _stderr.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        _print_error(e)
         sys.exit(1)
+
+
+def _print_error(error: OrchestratorError) -> None:
+    """The message as written: a name in it may hold '[' (`[/x]` is not markup to end)."""
+    _stderr.print(f"[red]error:[/red] {escape(str(error))}", markup=True, highlight=False)

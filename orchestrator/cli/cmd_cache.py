@@ -6,6 +6,7 @@ import enum
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.cli.options import SortOrder, StorageRootOption
@@ -59,14 +60,14 @@ def summarize(
         return
     scope = f"project {project!r}" + (f" of team {team!r}" if team else "")
     if not entries:
-        console.print(f"the training cache of {scope} is empty")
+        console.print(f"the training cache of {scope} is empty", markup=False)
         return
-    table = Table(title=f"training cache of {scope}")
+    table = Table(title=f"training cache of {escape(scope)}")
     table.add_column("path")
     table.add_column("size", justify="right")
     table.add_column("modified")
     for e in entries:
-        table.add_row(e.path, human_bytes(e.size_bytes), when(e.modified))
+        table.add_row(escape(e.path), human_bytes(e.size_bytes), when(e.modified))
     console.print(table)
     total = sum(e.size_bytes for e in entries)
     console.print(f"{len(entries)} file(s), {human_bytes(total)}")
@@ -85,4 +86,6 @@ def delete(
     if not yes:
         typer.confirm(f"Empty the training cache of {scope}?", abort=True)
     files, size = delete_cache(project, team, storage_root=storage_root)
-    console.print(f"emptied the training cache of {scope}: {files} file(s), {human_bytes(size)}")
+    console.print(
+        f"emptied the training cache of {scope}: {files} file(s), {human_bytes(size)}", markup=False
+    )

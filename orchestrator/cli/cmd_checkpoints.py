@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -95,9 +96,9 @@ def list_checkpoints(
         writer.writerows(_row(m) for m in found)
         return
     if not found:
-        console.print(f"no checkpoints in {scope}")
+        console.print(f"no checkpoints in {scope}", markup=False)
         return
-    table = Table(title=f"checkpoints of {scope}")
+    table = Table(title=f"checkpoints of {escape(scope)}")
     # never cut short or wrapped: they are what one copies into `download`
     table.add_column("checkpoint", no_wrap=True, min_width=max(len(m.name) for m in found))
     table.add_column("job id", no_wrap=True, min_width=max(len(m.job_id) for m in found))

@@ -14,6 +14,7 @@ import typer
 from rich.columns import Columns
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -87,7 +88,7 @@ def _live(job: JobHandle, m: JobMetrics, refresh: float) -> None:
 
 
 def _view(m: JobMetrics) -> RenderableType:
-    job = Panel(_table(job_lines(m)), title=f"job {m.job_id} · {m.project}", expand=False)
+    job = Panel(_table(job_lines(m)), title=f"job {m.job_id} · {escape(m.project)}", expand=False)
     if why := no_samples(m):
         return Group(job, Text(why))
     ranks = [

@@ -35,7 +35,7 @@ def view(
     rows = [_job_row(j) for j in list_jobs(project, storage_root=storage_root)]
     rows.reverse()  # oldest first
     if project or all_jobs:
-        _print_jobs(rows, f"jobs of {project}" if project else "jobs", output)
+        _print_jobs(rows, f"jobs in project {project!r}" if project else "jobs", output)
         return
     projects = _project_rows(rows)
     active = [r for r in rows if not JobState(r["status"]).is_terminal]
@@ -47,7 +47,7 @@ def view(
                    "pushed"):  # fmt: skip
         table.add_column(column)
     for p in projects:
-        table.add_row(p["name"], p["id"], str(p["job_count"]), p["latest_job_id"],
+        table.add_row(escape(p["name"]), p["id"], str(p["job_count"]), p["latest_job_id"],
                       p["latest_job_status"], p["latest_job_checkpoints"] or "-",
                       p["latest_job_created"])  # fmt: skip
     console.print(table if projects else "no projects yet: push a job")
@@ -85,12 +85,15 @@ def _print_jobs(rows: list[dict], title: str, output: OutputFormat) -> None:
     if output is OutputFormat.json:
         print_json(rows)
         return
-    table = Table(title=title)
+    if not rows:
+        console.print(f"no {title} yet", markup=False)
+        return
+    table = Table(title=escape(title))
     for column in ("job id", "project", "name", "status", "nodes", "checkpoints", "created"):
         table.add_column(column)
     for r in rows:
-        table.add_row(r["id"], r["project"], r["name"] or "-", r["status"], str(r["nodes"]),
-                      r["checkpoints"] or "-", r["created"])  # fmt: skip
+        table.add_row(r["id"], escape(r["project"]), escape(r["name"] or "-"), r["status"],
+                      str(r["nodes"]), r["checkpoints"] or "-", r["created"])  # fmt: skip
     console.print(table)
     for warning in _unstored_warnings(rows):
         console.print(warning, markup=True)
@@ -179,9 +182,10 @@ def _print_detail(job: JobHandle) -> None:
     table.add_column()
     for key in ("id", "project", "name", "team", "status", "created", "ray_address",
                 "storage_root"):  # fmt: skip
-        table.add_row(key, str(d[key] if d[key] is not None else "-"))
+        table.add_row(key, escape(str(d[key] if d[key] is not None else "-")))
     for event in d["history"]:
-        table.add_row("", f"{when(event['at'])}  {event['state']}  {event['reason'] or ''}")
+        reason = escape(event["reason"] or "")
+        table.add_row("", f"{when(event['at'])}  {event['state']}  {reason}")
     for node in d["nodes_detail"]:
         again = f", prepared for attempt {node['prepared_for']}" if node["prepared_for"] else ""
         table.add_row(
@@ -205,7 +209,7 @@ def _print_detail(job: JobHandle) -> None:
             table.add_row("", problem)
     if d["failure"]:
         f = d["failure"]
-        table.add_row("cause", f["cause"])
+        table.add_row("cause", escape(f["cause"]))
         if f["last_lines"]:
-            table.add_row("last lines", "\n".join(f["last_lines"][-10:]))
+            table.add_row("last lines", escape("\n".join(f["last_lines"][-10:])))
     console.print(table)

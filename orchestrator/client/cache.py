@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.client.connection import storage
+from orchestrator.errors import OrchestratorError
+from orchestrator.storage import layout
 from orchestrator.storage.job_store import JobStore
-from orchestrator.storage.projects import ProjectStore
+from orchestrator.storage.projects import ProjectNotFound, ProjectStore
 from orchestrator.storage.records import JobRecord
 from orchestrator.storage.training_cache import CacheStore
 
@@ -35,9 +37,22 @@ def _latest_record(project: str, storage_root: str | None) -> JobRecord | None:
 
 def _key(project: str, storage_root: str | None) -> str:
     """The project's id, which its cache is stored under. A project not registered is one
-    pushed before ids existed, whose cache is under its name."""
-    found = ProjectStore(storage(storage_root)).resolve(project)
-    return found.id if found else project
+    pushed before ids existed, whose cache is under its name: such a name was a safe path
+    segment, so any other (one with '/', one longer than a file name may be) is no project's."""
+    root = storage(storage_root)
+    found = ProjectStore(root).resolve(project)
+    if found is not None:
+        return found.id
+    if not layout.is_segment(project):
+        raise ProjectNotFound(f"no project named {project!r} in {root.url}")
+    return project
+
+
+def _team(team: str | None, storage_root: str | None) -> str | None:
+    """Team names are safe names (spec), a path segment of the cache: any other is no team's."""
+    if team is not None and not layout.is_segment(team):
+        raise OrchestratorError(f"no team named {team!r} in {storage(storage_root).url}")
+    return team
 
 
 def cache_summary(
@@ -45,7 +60,7 @@ def cache_summary(
 ) -> list[CacheEntry]:
     """Every file of the project's cache (as last written back), sorted by path."""
     key = _key(project, storage_root)
-    manifest = CacheStore(storage(storage_root), team, key).manifest()
+    manifest = CacheStore(storage(storage_root), _team(team, storage_root), key).manifest()
     return [CacheEntry(path, f.size, f.mtime) for path, f in sorted(manifest.files.items())]
 
 
@@ -54,5 +69,6 @@ def delete_cache(
 ) -> tuple[int, int]:
     """Empty the project's cache; (files, bytes) it held. Nodes drop their copies when next
     seeded, except files a running job has changed since."""
-    before = CacheStore(storage(storage_root), team, _key(project, storage_root)).clear()
+    key = _key(project, storage_root)
+    before = CacheStore(storage(storage_root), _team(team, storage_root), key).clear()
     return len(before.files), before.total_bytes

@@ -25,16 +25,24 @@ class JobStore:
         self.root.write_json(layout.record(record.job_id), record.model_dump(mode="json"))
 
     def record(self, job_id: str) -> JobRecord:
+        self._check_id(job_id)
         try:
             return JobRecord.model_validate(self.root.read_json(layout.record(job_id)))
         except FileNotFoundError:
             raise JobNotFound(f"no job {job_id!r} in {self.root.url}") from None
 
     def status(self, job_id: str) -> JobStatus:
+        self._check_id(job_id)
         try:
             return JobStatus.model_validate(self.root.read_json(layout.status(job_id)))
         except FileNotFoundError:
             raise JobNotFound(f"no job {job_id!r} in {self.root.url}") from None
+
+    def _check_id(self, job_id: str) -> None:
+        """A value that is not an id (a name longer than a path segment may be, one with '/') is
+        no job's: said so, never made a path."""
+        if not layout.is_segment(job_id):
+            raise JobNotFound(f"no job {job_id!r} in {self.root.url}")
 
     def put_status(self, status: JobStatus) -> None:
         self.root.write_json(layout.status(status.job_id), status.model_dump(mode="json"))

@@ -5,13 +5,15 @@ jobs/<job_id>/record.json             JobRecord, written once at submission
 jobs/<job_id>/status.json             JobStatus, rewritten on every change
 jobs/<job_id>/logs/<seq>.log          log segments, tagged lines, in order
 jobs/<job_id>/metrics/rank-<r>.json   a rank's resource samples (storage/metrics.py)
-projects/<project_id>.json            ProjectRecord: a project's id and name
-projects/names/<sha256 of name>.json  the id a name was given (written last: the commit)
+projects/names/<sha256 of name>.json  the id a name was given (created if absent: the commit)
+projects/<project_id>.json            ProjectRecord: a project's id and name (written after)
 """
 
 from __future__ import annotations
 
 import hashlib
+
+from orchestrator.spec.base import check_safe_name
 
 
 def archive(sha256: str) -> str:
@@ -62,3 +64,15 @@ def project(project_id: str) -> str:
 def project_name(name: str) -> str:
     """A name may hold any character: its path is a hash of it."""
     return f"projects/names/{hashlib.sha256(name.encode()).hexdigest()}.json"
+
+
+def is_segment(value: str) -> bool:
+    """Whether storage may have put `value` in a path as one segment: a job's id, a project's
+    (generated, or its name from before ids) and a team are safe names, at most 128 characters.
+    Anything else (a name with '/', one longer than a file name may be) names nothing stored,
+    and must never become a path."""
+    try:
+        check_safe_name(value)
+    except ValueError:
+        return False
+    return True

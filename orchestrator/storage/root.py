@@ -73,11 +73,44 @@ class StorageRoot:
         else:
             self.fs.pipe_file(target, data)
 
+    def create_bytes(self, rel: str, data: bytes) -> bool:
+        """Write `rel` only if nothing is there yet; True if this call created it. Of any number
+        of writers racing on several machines, exactly one creates it: the way to commit a
+        first-come record. A retry after a lost reply to a put that succeeded sees the object
+        and says False, so a caller reads back what is there, never assumes its own bytes."""
+        return self.retry.call(self._create_bytes, rel, data)
+
+    def _create_bytes(self, rel: str, data: bytes) -> bool:
+        target = self.path(rel)
+        try:
+            if self.is_local:
+                # Written whole to a temp file, then linked in: a link fails if the name exists
+                # (O_EXCL would let a reader see the file half-written).
+                Path(target).parent.mkdir(parents=True, exist_ok=True)
+                tmp = f"{target}.{uuid.uuid4().hex[:8]}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                try:
+                    os.link(tmp, target)
+                finally:
+                    os.unlink(tmp)
+            else:
+                # A conditional put: S3's `If-None-Match: *`, GCS's `ifGenerationMatch=0`; the
+                # store answers 412 if the object exists, which s3fs and gcsfs raise as this.
+                self.fs.pipe_file(target, data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+
     def read_bytes(self, rel: str) -> bytes:
         return self.retry.call(self.fs.cat_file, self.path(rel))
 
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def create_json(self, rel: str, obj: Any) -> bool:
+        """`create_bytes` of a JSON document: True if this call created `rel`."""
+        return self.create_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
 
     def read_json(self, rel: str) -> Any:
         return json.loads(self.read_bytes(rel))
