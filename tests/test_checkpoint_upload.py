@@ -439,3 +439,19 @@ def test_shards_without_metadata_wait_on_rank_0_only(tmp_path):
     wait_until(lambda: ranks() == [0, 1], "rank 0's checkpoint, with its .metadata")
     for up in ups:
         up.flush(timeout=10, clean=True)
+
+
+def test_a_root_refusing_its_first_lookup_in_the_flush_is_a_failed_upload_not_an_error(tmp_path):
+    """A checkpoint first seen by the final flush, on a root whose checkpoints/ is a file: the
+    flush reports the checkpoint failed (the controller said "uploader unreachable" when the
+    lookup's NotADirectoryError escaped it; it depended on which scan saw the checkpoint first)."""
+    storage = tmp_path / "root"
+    storage.mkdir()
+    (storage / "checkpoints").write_text("a file where checkpoints/ must go")
+    up = uploader(StorageRoot(storage), tmp_path / "ck", settle_s=3600)
+    up._stop.set()  # no watch scan between the write and the flush
+    up._thread.join(5)
+    write_checkpoint(tmp_path / "ck" / "checkpoint-1", {"w.bin": b"w"})
+    result = up.flush(timeout=10, clean=True, how="the commands exited 0")
+    assert states(result) == {"checkpoint-1": "failed"}, result.entries
+    assert "Not a directory" in (reasons(result)["checkpoint-1"] or ""), result.entries

@@ -79,6 +79,7 @@ def on_stop(signum, frame):                             # as a trainer saving on
     mark_checkpoint_complete(root / "checkpoint-2")
     sys.exit(0)
 signal.signal(signal.SIGTERM, on_stop)
+save("best", "the best so far")                         # its own series: nothing follows it
 save("checkpoint-1", "first")
 time.sleep(600)
 """
@@ -86,7 +87,8 @@ time.sleep(600)
 
 def test_a_stopped_job_flushes_its_checkpoints(tmp_path, storage_root, monkeypatch):
     """A stop gives the whole command its grace: a trainer saving on SIGTERM finishes, and
-    the flush stores what it left; what had not settled is stored marked incomplete."""
+    the flush stores what it left. What had not settled is stored marked incomplete, unless
+    a later checkpoint of its series followed it (the writer had finished it)."""
     monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "3600")  # only the flush uploads
     job = push(writer_job(tmp_path / "job", "ckpt-stop", SAVES_ON_SIGTERM),
                storage_root=storage_root)  # fmt: skip
@@ -96,11 +98,12 @@ def test_a_stopped_job_flushes_its_checkpoints(tmp_path, storage_root, monkeypat
         time.sleep(0.2)
     assert names(job) == []
     assert job.stop() == JobState.STOPPED
-    assert sorted(names(job)) == ["checkpoint-1", "checkpoint-2"]
+    assert sorted(names(job)) == ["best", "checkpoint-1", "checkpoint-2"]
     by_name = {m.name: m for m in job.checkpoints()}
     assert by_name["checkpoint-2"].complete, "saved during the grace and marked complete"
-    assert not by_name["checkpoint-1"].complete, "never settled (1 hour) while its writer lived"
-    assert "the job was stopped" in by_name["checkpoint-1"].incomplete_reason
+    assert by_name["checkpoint-1"].complete, "checkpoint-2 followed it"
+    assert not by_name["best"].complete, "never settled (1 hour) while its writer lived"
+    assert "the job was stopped" in by_name["best"].incomplete_reason
     summary = job.details().checkpoints
     assert summary.all_uploaded and summary.sync_status == "incomplete"
 

@@ -71,6 +71,19 @@ def test_download_defaults_beside_you_and_refuses_a_non_empty_target(stored, tmp
     assert "already exists and is not empty" in again.stderr
 
 
+def test_download_of_a_job_whose_archive_is_gone_says_so_and_makes_nothing(s3_server, tmp_path):
+    root = StorageRoot(f"s3://dl-{uuid.uuid4().hex[:8]}/orchestrator")
+    root.fs.mkdir(root.url.split("/")[2])
+    record = store_job(prepare_job(make_job(tmp_path / "job", CONFIG)), root, "job-gone", None)
+    root.fs.rm(root.path(record.archive.path))
+    target = tmp_path / "code"
+    result = cli("download", "--job-id", "job-gone", "--storage-root", root.url,
+                 "--target-directory", target)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "is no longer in" in result.stderr and "Traceback" not in result.stderr
+    assert not target.exists()
+
+
 def test_checkpoint_urls_fetch_each_file_until_they_expire(stored):
     result = cli("checkpoints", "urls", "--job-id", "job-dl", "--storage-root", stored["root"],
                  "--expires", "600", "-o", "json")  # fmt: skip

@@ -338,7 +338,10 @@ class CheckpointUploader:
             t.changed_scan = self._scans
         if not t.looked_up:
             t.looked_up = True  # a restarted uploader finds what it committed before
-            t.stored = self.store.manifest(self.project, self.job_id, self.rank, name)
+            try:
+                t.stored = self.store.manifest(self.project, self.job_id, self.rank, name)
+            except Exception:  # a root that refuses the lookup refuses the upload: it says why
+                t.stored = None
         for rel, why in seen.skipped_links:
             self._once(t, f"link {rel}", f"{name}: skipped link {rel}: {why}")
         if self._is_current(t) or not seen.files:

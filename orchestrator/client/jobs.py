@@ -193,6 +193,11 @@ class JobHandle:
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             raise OrchestratorError(f"{target} already exists and is not empty: pick another")
         archive = self.record.archive
+        if not self._store.has_archive(archive.sha256):
+            raise OrchestratorError(
+                f"job {self.id}'s code archive {archive.path} is no longer in "
+                f"{self._store.root.url}: nothing to download"
+            )
         target.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="orchestrator-code-") as tmp:
             local = Path(tmp) / "workspace.tar"
