@@ -3,8 +3,6 @@ every kind of storage root, demands from a job's compute, nodes from Ray's node 
 
 from __future__ import annotations
 
-import time
-
 from orchestrator import definitions as d
 from orchestrator.scheduler.cluster_view import bundle_of, nodes_from_ray, snapshot
 from orchestrator.scheduler.policy import SchedulingPolicy
@@ -56,7 +54,7 @@ def test_free_is_what_ray_says_less_what_admitted_jobs_hold_before_they_reserve(
     admitted = QueueEntry(job_id="held", pushed_at=0, bundle={"GPU:H100": 2, "CPU": 4},
                           state="admitted", placed_on=["a"], admitted_at=1.0)  # fmt: skip
     waiting = QueueEntry(job_id="next", pushed_at=2, bundle={"GPU:H100": 2, "CPU": 4})
-    snap = snapshot([admitted, waiting], nodes, {}, now=time.time())
+    snap = snapshot([admitted, waiting], nodes, {}, now=3.0)  # pushed 1 s ago: not held
     assert snap.nodes[0].free.get("GPU:H100") == 0  # held for the admitted job
     decision = SchedulingPolicy().decide(snap)
     assert decision.admit == [] and decision.waiting[0].reason == (

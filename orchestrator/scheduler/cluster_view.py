@@ -65,11 +65,13 @@ def snapshot(
     for e in entries:
         demand = Demand(Resources(dict(e.bundle)), e.nodes, e.colocated)
         if e.state == "queued":
-            queued.append(QueuedJob(e.job_id, e.team, e.priority, e.pushed_at, demand))
+            queued.append(QueuedJob(e.job_id, e.team, e.priority, e.pushed_at, demand,
+                                    preempted_by=e.preempted_by))  # fmt: skip
         else:
             running.append(RunningJob(
                 e.job_id, e.team, e.priority, e.admitted_at or e.pushed_at, demand,
-                tuple(e.placed_on), e.borrowed, leaving=e.preemption is not None,
+                tuple(e.placed_on), resumable=e.resumable, leaving=e.preemption is not None,
+                leaving_for=e.preempted_by if e.preemption is not None else None,
             ))  # fmt: skip
     return ClusterSnapshot(queued, running, _less_ours(nodes, running), quotas, now, autoscaling)
 

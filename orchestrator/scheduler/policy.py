@@ -2,33 +2,60 @@
 
 Pure: the queue service hands `SchedulingPolicy.decide` a snapshot (queued jobs, running jobs and
 where their bundles are, each node's capacity and free resources, the teams' quotas) and carries
-out the `Decision`. The rules, in the order they apply:
+out the `Decision`. The rules (docs/architecture.md#the-job-queue says them for users):
 
-1. Order. Within a team: higher `priority` first, then earlier push. Across teams the next job is
-   the head of the team furthest below its share (dominant-resource share: the largest fraction
-   of its quota, or of the cluster for a resource without a quota, that the team uses, counting
-   jobs already ordered before); ties go to the higher priority, then the earlier push.
-2. Admission, in that order: a job starts when its bundles fit the nodes' free resources (one
-   node per bundle, several nodes each their own). Within its team's quota it runs as its own;
-   beyond it, it *borrows* idle capacity.
-3. Preemption. A job within its quota that does not fit may preempt borrowed jobs of other teams;
-   a job may preempt lower-priority jobs of its own team. Victims go lowest priority first, then
-   most recently started, only as many as make it fit; what they free is held for that job.
-4. No starvation. Once a job within its quota has waited `hold_after_s` (from its push) without
-   starting, nothing after it in the order starts until it has: what frees up meanwhile is held
-   for it. Its wait is bounded by the jobs ahead of it and the running jobs' run times.
-5. A job that does not fit the cluster even empty can never start (unless the cluster autoscales).
+1. Quota. A team's running jobs, in the order they started, are its own while together they fit
+   its quota; the rest *borrow*. Recomputed every decision, so a job becomes its team's own when
+   the jobs before it end or the quota grows. A queued job is *within* its quota when it fits
+   the quota beside everything its team runs; a team without a quota is always within.
+2. Order. First the jobs that waited `hold_after_s` within their quota (oldest push first); then
+   those whose preemption freed room for them; then every other job within its quota, then the
+   jobs beyond it. In the last two, within a team higher `priority` goes first, then earlier
+   push; across teams the next job is the head of the team furthest below its share (dominant
+   share: the largest fraction of its quota, or of the cluster where it has none, its running
+   and already-ordered jobs use).
+3. Admission. A job starts when its bundles fit the free resources (one node per bundle, or all
+   on one when colocated). A job beyond its quota borrows only what is left once every job
+   within its quota was considered: capacity none of them can use now.
+4. Preemption. A job within its quota that does not fit may preempt borrowed jobs of teams still
+   over their quota; lower-priority jobs of its own team only where `within_team` allows it
+   (never by default, as Kueue; `resumable`: jobs that resume from a checkpoint; `always`).
+   The victims are a minimal set: each one is needed for the job to fit (its nodes, or its
+   team's quota). What they free is held for that job, and a preempted job does not start again
+   before the job it gave way to has started: no livelock.
+5. No starvation. A job within its quota that waited `hold_after_s` since its push goes first;
+   if it cannot start or make room, the nodes closest to holding it are kept for it: nothing
+   else is placed there until it starts, whatever its team, share or priority.
+6. A job that does not fit the cluster even empty can never start (unless it autoscales).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from enum import Enum
 
-from orchestrator.scheduler.resources import GPU_PREFIX, Resources, describe, total
+from orchestrator.scheduler.fitting import (
+    needs,
+    never_fits,
+    place,
+    released,
+    shortfall,
+    take,
+)
+from orchestrator.scheduler.resources import Resources, describe, total
 
 DEFAULT_HOLD_AFTER_S = 600.0
+_NOTHING = Resources()
+WITHIN_TEAM_SETTING = "ORCHESTRATOR_QUEUE_PREEMPT_WITHIN_TEAM"  # settings.py, where it is read
+
+
+class WithinTeam(str, Enum):
+    """Whether a job may preempt lower-priority running jobs of its own team."""
+
+    NEVER = "never"  # Kueue's default for preemption within a queue
+    RESUMABLE = "resumable"  # only jobs that checkpoint, which resume where they were
+    ALWAYS = "always"  # also jobs without checkpointing, which start over
 
 
 @dataclass(frozen=True)
@@ -38,14 +65,14 @@ class Demand:
     bundle: Resources
     nodes: int = 1
     colocated: bool = False
+    total: Resources = field(init=False, repr=False, compare=False)
+    key: str = field(init=False, repr=False, compare=False)  # jobs alike share it
 
-    @cached_property
-    def total(self) -> Resources:
-        return self.bundle * self.nodes
-
-    @cached_property
-    def key(self) -> tuple:
-        return tuple(sorted(self.bundle.amounts.items())), self.nodes, self.colocated
+    def __post_init__(self) -> None:  # computed once: read thousands of times a decision
+        object.__setattr__(self, "total", self.bundle * self.nodes)
+        # A string: its hash is kept, and it is hashed in every memo lookup.
+        key = f"{sorted(self.bundle.amounts.items())}x{self.nodes}{'c' if self.colocated else ''}"
+        object.__setattr__(self, "key", key)
 
 
 @dataclass(frozen=True)
@@ -55,6 +82,7 @@ class QueuedJob:
     priority: int
     pushed_at: float
     demand: Demand
+    preempted_by: str | None = None  # requeued after giving way to this job
 
 
 @dataclass(frozen=True)
@@ -65,8 +93,9 @@ class RunningJob:
     started_at: float
     demand: Demand
     placed_on: tuple[str, ...]  # the node of each bundle
-    borrowed: bool = False
-    leaving: bool = False  # preempted or stopping: what it holds is about to be free
+    resumable: bool = False  # checkpoints: a preemption costs it little
+    leaving: bool = False  # preempted: what it holds is about to be free
+    leaving_for: str | None = None  # the job it was preempted for
 
 
 @dataclass(frozen=True)
@@ -107,97 +136,407 @@ class Waiting:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass
 class Decision:
     admit: list[Admit] = field(default_factory=list)
     preempt: list[Preempt] = field(default_factory=list)
     waiting: list[Waiting] = field(default_factory=list)
     impossible: dict[str, str] = field(default_factory=dict)  # job id -> why
+    borrowed: set[str] = field(default_factory=set)  # running and admitted jobs that borrow
+    reserved: dict[str, tuple[str, ...]] = field(default_factory=dict)  # held job -> its nodes
+    spared: dict[str, str] = field(default_factory=dict)  # running job -> why it was not preempted
 
 
 class SchedulingPolicy:
-    def __init__(self, hold_after_s: float = DEFAULT_HOLD_AFTER_S) -> None:
+    def __init__(
+        self, hold_after_s: float = DEFAULT_HOLD_AFTER_S,
+        within_team: WithinTeam = WithinTeam.NEVER,
+    ) -> None:  # fmt: skip
         self.hold_after_s = hold_after_s
+        self.within_team = WithinTeam(within_team)
 
     def decide(self, snap: ClusterSnapshot) -> Decision:
-        decision = Decision()
-        free = {n.node_id: n.free for n in snap.nodes}
-        capacity = {n.node_id: n.capacity for n in snap.nodes}
-        usage = _usage(snap.running)
-        running = [r for r in snap.running if not r.leaving]
-        leaving = [r for r in snap.running if r.leaving]
-        holder: QueuedJob | None = None
-        position = 0
-        # Jobs alike (same demand, team, priority, quota standing) fare alike until something
-        # is admitted or preempted: remember why they wait (1,000 queued jobs, few shapes).
-        unplaceable: dict[tuple, str] = {}
-        never: dict[tuple, str | None] = {}  # by demand: why it fits no node even when empty
-        for job in order(snap.queued, usage, snap.quotas, _cluster_total(snap.nodes)):
-            if job.demand.key not in never:
-                empty = snap.autoscaling or place(job.demand, capacity) is not None
-                never[job.demand.key] = None if empty else never_fits(job.demand, snap.nodes)
-            if never[job.demand.key] is not None:
-                decision.impossible[job.job_id] = str(never[job.demand.key])
-                continue
-            position += 1
-            within = _within_quota(job, usage, snap.quotas)
-            if holder is not None:
-                decision.waiting.append(Waiting(job.job_id, position, _held(holder, snap.now)))
-                continue
-            alike = (job.demand.key, job.team, job.priority, within)
-            reason = unplaceable.get(alike)
-            if reason is None:
-                spot = place(job.demand, free)
-                if spot is not None:
-                    decision.admit.append(Admit(job.job_id, spot, borrowed=not within))
-                    _take(free, job.demand, spot)
-                    usage[job.team] = usage.get(job.team, Resources()) + job.demand.total
-                    unplaceable.clear()
-                    continue
-                reason = self._make_room(job, within, free, running, leaving, decision)
-                if reason is None:
-                    reason = _why_waiting(job, within, usage, snap, free)
-                    unplaceable[alike] = reason
-                else:
-                    unplaceable.clear()
-            decision.waiting.append(Waiting(job.job_id, position, reason))
-            if within and snap.now - job.pushed_at >= self.hold_after_s:
-                holder = job
-        return decision
+        return _Cycle(snap, self).run()
 
-    def _make_room(
-        self,
-        job: QueuedJob,
-        within: bool,
-        free: dict[str, Resources],
-        running: list[RunningJob],
-        leaving: list[RunningJob],
-        decision: Decision,
-    ) -> str | None:
-        """Room for `job` from jobs already leaving, else from jobs it may preempt; what it
-        finds is held for it. None: no room can be made."""
-        freed = _with_released(free, leaving)
-        spot = place(job.demand, freed)
-        if spot is not None:
-            _take(free, job.demand, spot)  # held: nothing after it takes those nodes
-            return "waiting for preempted jobs to leave"
-        victims: list[RunningJob] = []
-        for candidate in _candidates(job, within, running):
-            victims.append(candidate)
-            spot = place(job.demand, _with_released(freed, victims))
-            if spot is None:
+
+class _Cycle:
+    """One decision's working state: what is free, what each team uses, who waits and why."""
+
+    def __init__(self, snap: ClusterSnapshot, policy: SchedulingPolicy) -> None:
+        self.snap, self.policy = snap, policy
+        self.free = {n.node_id: n.free for n in snap.nodes}  # reserved nodes are taken out
+        self.capacity = {n.node_id: n.capacity for n in snap.nodes}
+        self.usage = _usage(snap.running)
+        self.running = [r for r in snap.running if not r.leaving]  # may still be preempted
+        self.leaving_for: dict[str, list[RunningJob]] = {}
+        for r in snap.running:
+            if r.leaving and r.leaving_for is not None:
+                self.leaving_for.setdefault(r.leaving_for, []).append(r)
+        self.decision = Decision(borrowed=borrowed_jobs(snap.running, snap.quotas))
+        self.waiting: list[tuple[str, str]] = []  # (job, why), in the order they are served
+        self.started: set[str] = set()
+        self.pending: set[str] = set()  # queued and able to start some day
+        self.changes = 0  # admissions, holds and kept nodes: what makes remembered reasons stale
+        # Jobs alike (same demand, team, priority, standing) fare alike until something is
+        # admitted, preempted or kept: why they wait is remembered (1,000 jobs, few shapes).
+        self.alike: dict[tuple, str] = {}
+        self.memo: dict[tuple, object] = {}  # placements and candidates, until the next change
+        self.never: dict[str, str | None] = {}  # by demand: why it fits no node even empty
+        # By demand: what one node must hold, the nodes that hold it now, those that could.
+        self.nodes_for: dict[str, tuple[Resources, set[str], set[str]]] = {}
+
+    def run(self) -> Decision:
+        snap, hold = self.snap, self.policy.hold_after_s
+        jobs = [j for j in snap.queued if not self._impossible(j)]
+        self.pending = {j.job_id for j in jobs}
+        claims = set(self.leaving_for) | {j.preempted_by for j in jobs if j.preempted_by}
+        held = [j for j in jobs if snap.now - j.pushed_at >= hold and self._within(j)
+                and not self._gave_way(j)]  # fmt: skip
+        first = {j.job_id for j in held}
+        claimants = [j for j in jobs if j.job_id in claims and j.job_id not in first
+                     and self._within(j, self.leaving_for.get(j.job_id, []))]  # fmt: skip
+        first.update(j.job_id for j in claimants)
+        rest = [j for j in jobs if j.job_id not in first]
+        for job in sorted(held, key=lambda j: (j.pushed_at, j.job_id)):
+            if self._within(job):  # a job of its team held before may have used the quota
+                self._serve(job, held=True)
+            else:
+                rest.append(job)
+        for job in sorted(claimants, key=lambda j: (j.pushed_at, j.job_id)):
+            self._serve(job)
+        beyond = []
+        for job in order(rest, self.usage, snap.quotas, total(self.capacity.values())):
+            if self._within(job):
+                self._serve(job)
+            else:
+                beyond.append(job)  # borrows only what no job within its quota can use
+        for job in beyond:
+            self._serve(job, may_borrow=True)
+        self.decision.waiting = [
+            Waiting(job_id, position, why)
+            for position, (job_id, why) in enumerate(self.waiting, start=1)
+        ]
+        return self.decision
+
+    # -- one job ---------------------------------------------------------------------------------
+
+    def _serve(self, job: QueuedJob, held: bool = False, may_borrow: bool = False) -> None:
+        if self._gave_way(job):
+            self._wait(job, f"gave way to {job.preempted_by}, which has not started yet: it "
+                            "starts again after it")  # fmt: skip
+            return
+        within = self._within(job)
+        alike = (job.demand.key, job.team, job.priority, within, held, may_borrow)
+        if (why := self.alike.get(alike)) is not None:
+            self._wait(job, why, held)
+            return
+        if within or may_borrow:
+            spot = self._place(job.demand)
+            if spot is not None:
+                self._admit(job, spot, borrowed=not within)
+                return
+        changes = self.changes
+        why = self._make_room(job)
+        if why is None:
+            spared = self._not_preempted(job)
+            why = self._keep_nodes(job) if held else self._why_waiting(job, within)
+            why += spared
+        if self.changes == changes:
+            self.alike[alike] = why
+        self._wait(job, why, held)
+
+    def _wait(self, job: QueuedJob, why: str, held: bool = False) -> None:
+        if held:
+            why = f"waited {self.snap.now - job.pushed_at:.0f} s, past the hold: {why}"
+        self.waiting.append((job.job_id, why))
+
+    def _admit(self, job: QueuedJob, spot: tuple[str, ...], borrowed: bool) -> None:
+        self.decision.admit.append(Admit(job.job_id, spot, borrowed))
+        if borrowed:
+            self.decision.borrowed.add(job.job_id)
+        take(self.free, job.demand, spot)
+        self.started.add(job.job_id)
+        self._count(job)
+        self._changed(spot)
+
+    def _changed(self, nodes: Sequence[str]) -> None:
+        """`nodes`' free resources changed (or they were kept for a job): forget what was
+        worked out from them, and bring the sets of fitting and useful nodes up to date."""
+        self.changes += 1
+        self.alike.clear()
+        self.memo.clear()
+        for need, fitting, useful in self.nodes_for.values():
+            for node in nodes:
+                if node in self.free and need.fits_in(self.free[node]):
+                    fitting.add(node)
+                else:
+                    fitting.discard(node)
+                if node not in self.free:
+                    useful.discard(node)
+
+    def _place(self, demand: Demand) -> tuple[str, ...] | None:
+        key = ("place", demand.key)
+        if key not in self.memo:
+            self.memo[key] = place(demand, self.free, self._fitting(demand))
+        return self.memo[key]  # type: ignore[return-value]
+
+    def _fitting(self, demand: Demand) -> set[str]:
+        """The nodes whose free resources hold one of `demand`'s bundles now."""
+        return self._nodes_for(demand)[1]
+
+    def _useful(self, demand: Demand) -> set[str]:
+        """The nodes (not kept for another job) that could hold one of `demand`'s bundles."""
+        return self._nodes_for(demand)[2]
+
+    def _nodes_for(self, demand: Demand) -> tuple[Resources, set[str], set[str]]:
+        if demand.key not in self.nodes_for:
+            need, _ = needs(demand)
+            fitting = {n for n, room in self.free.items() if need.fits_in(room)}
+            useful = {n for n in self.free if need.fits_in(self.capacity[n])}
+            self.nodes_for[demand.key] = need, fitting, useful
+        return self.nodes_for[demand.key]
+
+    def _count(self, job: QueuedJob) -> None:
+        self.usage[job.team] = self.usage.get(job.team, _NOTHING) + job.demand.total
+
+    def _gave_way(self, job: QueuedJob) -> bool:
+        """Preempted for a job that has not started yet (and still may): it goes first."""
+        by = job.preempted_by
+        return by is not None and by in self.pending and by not in self.started
+
+    def _impossible(self, job: QueuedJob) -> bool:
+        if self.snap.autoscaling:
+            return False
+        if job.demand.key not in self.never:
+            empty = place(job.demand, self.capacity) is not None
+            self.never[job.demand.key] = None if empty else never_fits(job.demand, self.snap.nodes)
+        why = self.never[job.demand.key]
+        if why is not None:
+            self.decision.impossible[job.job_id] = why
+        return why is not None
+
+    # -- quotas ----------------------------------------------------------------------------------
+
+    def _within(self, job: QueuedJob, victims: Sequence[RunningJob] = ()) -> bool:
+        """Whether `job` fits its team's quota beside what the team runs, less `victims`."""
+        quota = self.snap.quotas.get(job.team or "")
+        if not quota:
+            return True
+        if not victims:
+            key = ("within", job.team, job.demand.key)
+            if key not in self.memo:
+                self.memo[key] = self._fits_quota(job, quota, ())
+            return self.memo[key]  # type: ignore[return-value]
+        return self._fits_quota(job, quota, victims)
+
+    def _fits_quota(
+        self, job: QueuedJob, quota: Mapping[str, float], victims: Sequence[RunningJob]
+    ) -> bool:
+        used = self.usage.get(job.team, _NOTHING).amounts
+        want = job.demand.total.amounts
+        gone = [v.demand.total.amounts for v in victims if v.team == job.team]
+        for key, limit in quota.items():
+            amount = used.get(key, 0.0) + want.get(key, 0.0)
+            if gone:
+                amount -= sum(g.get(key, 0.0) for g in gone)
+            if amount > limit + 1e-9:
+                return False
+        return True
+
+    def _over_quota(self, team: str | None, without: Sequence[RunningJob]) -> bool:
+        """Whether `team` uses more than its quota even without `without`: it still borrows."""
+        quota = self.snap.quotas.get(team or "")
+        if not quota:
+            return False
+        used = self.usage.get(team, _NOTHING)
+        gone = [v.demand.total for v in without if v.team == team]
+        return any(used.get(k) - sum(g.get(k) for g in gone) > limit + 1e-9
+                   for k, limit in quota.items())  # fmt: skip
+
+    # -- making room -----------------------------------------------------------------------------
+
+    def _make_room(self, job: QueuedJob) -> str | None:
+        """Room for `job` from the jobs already leaving for it, else from a minimal set of
+        jobs it may preempt; what it finds is held for it. None: no room can be made."""
+        mine = self.leaving_for.get(job.job_id, [])
+        base = released(self.free, mine) if mine else self.free
+        if mine and self._within(job, mine):
+            spot = place(job.demand, base)
+            if spot is not None:
+                self._hold(job, spot)
+                return "waiting for preempted jobs to leave"
+        allowed, _ = self._candidates(job)
+        victims = self._victims(job, base, allowed, mine)
+        if victims is None:
+            return None
+        spot = place(job.demand, released(base, victims))
+        assert spot is not None
+        for v in victims:
+            self.running.remove(v)
+            why = f"preempted by {job.job_id}: {_why(v, job)}"
+            self.decision.preempt.append(Preempt(v.job_id, job.job_id, why))
+        self._hold(job, spot)
+        return f"preempting {', '.join(v.job_id for v in victims)} to make room"
+
+    def _not_preempted(self, job: QueuedJob) -> str:
+        """Why `job` waits although preempting jobs of its own team would make room ("" if
+        it would not); each such job notes why it was spared."""
+        allowed, protected = self._candidates(job)
+        if not protected:
+            return ""
+        mine = self.leaving_for.get(job.job_id, [])
+        base = released(self.free, mine) if mine else self.free
+        victims = self._victims(job, base, _victim_order(allowed + protected), mine)
+        spared = [v.job_id for v in victims or () if v in protected]
+        if not spared:
+            return ""
+        mode = self.policy.within_team
+        why = (
+            f"preemption within a team is off ({WITHIN_TEAM_SETTING}={mode.value})"
+            if mode is WithinTeam.NEVER
+            else f"they have no checkpointing and would lose their work ({WITHIN_TEAM_SETTING}="
+            f"{mode.value})"
+        )
+        for job_id in spared:
+            self.decision.spared.setdefault(job_id, f"not preempted for {job.job_id}: {why}")
+        return f"; preempting {', '.join(spared)} of its own team would make room, but {why}"
+
+    def _candidates(self, job: QueuedJob) -> tuple[list[RunningJob], list[RunningJob]]:
+        """Whom `job` may preempt, in the order they go (lowest priority, then the most recently
+        started), and the lower-priority jobs of its team that `within_team` protects."""
+        key = ("candidates", job.team, job.priority)
+        if key not in self.memo:
+            mode = self.policy.within_team
+            allowed, protected = [], []
+            for r in self.running:
+                if r.team != job.team:
+                    if r.job_id in self.decision.borrowed:
+                        allowed.append(r)
+                elif r.priority < job.priority:
+                    ok = mode is WithinTeam.ALWAYS or (mode is WithinTeam.RESUMABLE and r.resumable)
+                    (allowed if ok else protected).append(r)
+            self.memo[key] = _victim_order(allowed), _victim_order(protected)
+        return self.memo[key]  # type: ignore[return-value]
+
+    def _victims(
+        self, job: QueuedJob, base: Mapping[str, Resources], candidates: Sequence[RunningJob],
+        leaving: Sequence[RunningJob],
+    ) -> list[RunningJob] | None:  # fmt: skip
+        """A minimal set of `candidates` whose release lets `job` start: added in order until
+        it fits, then each one it fits without is dropped again (Kueue's minimal preemptions).
+        Another team's job counts only while its team, without the victims before it, is
+        still over its quota."""
+        useful = self._useful(job.demand)
+        candidates = [c for c in candidates if useful.intersection(c.placed_on)]
+        if not candidates:
+            return None
+        if not self._within(job, [*candidates, *leaving]):
+            return None  # not even all of them would bring it within its quota
+        fitting = None if leaving else self._fitting(job.demand) & useful
+        room = _Room(job.demand, {n: base[n] for n in useful}, fitting)
+        everyone = room.copy()
+        for c in candidates:
+            everyone.release(c)
+        if not everyone.fits():
+            return None  # not even all of them would free enough
+        chosen: list[RunningJob] = []
+        for c in candidates:
+            if c.team != job.team and not self._over_quota(c.team, chosen):
                 continue
-            for v in victims:
-                running.remove(v)
-                why = "borrowed capacity its team's quota needs" if v.team != job.team else (
-                    f"priority {v.priority} is below its priority {job.priority}"
-                )  # fmt: skip
-                decision.preempt.append(Preempt(v.job_id, job.job_id,
-                                                f"preempted by {job.job_id}: {why}"))  # fmt: skip
-                leaving.append(v)
-            _take(free, job.demand, spot)
-            return f"preempting {', '.join(v.job_id for v in victims)} to make room"
-        return None
+            chosen.append(c)
+            room.release(c)
+            if room.fits() and self._within(job, [*chosen, *leaving]):
+                break
+        else:
+            return None
+        for v in reversed(chosen[:-1]):
+            trial = [c for c in chosen if c is not v]
+            room.release(v, back=True)
+            if room.fits() and self._within(job, [*trial, *leaving]):
+                chosen = trial
+            else:
+                room.release(v)
+        return chosen
+
+    def _hold(self, job: QueuedJob, spot: tuple[str, ...]) -> None:
+        """What `job` will start on is taken from `free` now (below zero until its victims
+        have left), and its quota use counted: nothing after it takes either."""
+        take(self.free, job.demand, spot)
+        self._count(job)
+        self._changed(spot)
+
+    def _keep_nodes(self, job: QueuedJob) -> str:
+        """Rule 5: the nodes closest to holding `job` are kept for it (taken out of `free`)."""
+        need, count = needs(job.demand)
+        why = self._why_waiting(job, True)
+        eligible = sorted(self._useful(job.demand))
+        eligible.sort(key=lambda n: (shortfall(need, self.free[n]), n))
+        kept = tuple(eligible[:count])
+        if not kept:
+            return f"{why}; the nodes it needs are kept for jobs that waited longer"
+        for node in kept:
+            del self.free[node]
+        self.decision.reserved[job.job_id] = kept
+        self._changed(kept)
+        many = len(kept) > 1
+        return (f"{why}; the {len(kept)} node{'s' if many else ''} closest to holding it "
+                f"{'are' if many else 'is'} kept for it until it starts")  # fmt: skip
+
+    def _why_waiting(self, job: QueuedJob, within: bool) -> str:
+        key = ("room", job.demand.key)
+        if key not in self.memo:
+            need, count = needs(job.demand)
+            fitting = len(self._fitting(job.demand))
+            self.memo[key] = (
+                f"needs {count} node{'s' if count > 1 else ''} with {need.describe()} free: "
+                f"{fitting} such node{'' if fitting == 1 else 's'} free"
+            ) + (" (not counting nodes kept for jobs that waited longest)"
+                 if self.decision.reserved else "")  # fmt: skip
+        room = str(self.memo[key])
+        if within:
+            return room
+        quota = self.snap.quotas.get(job.team or "", {})
+        used = self.usage.get(job.team, Resources())
+        over = [k for k in quota if used.get(k) + job.demand.total.get(k) > quota[k] + 1e-9]
+        key = over[0] if over else next(iter(quota))
+        return (
+            f"team {job.team} is at its quota of {describe({key: quota[key]})} "
+            f"({used.get(key):g} in use) and the cluster has no idle capacity to lend: {room}"
+        )
+
+
+class _Room:
+    """Free resources on the nodes that could hold a job's bundles, and how many of them hold
+    one now: each release or return updates only the nodes of that job."""
+
+    def __init__(
+        self, demand: Demand, free: Mapping[str, Resources], fitting: set[str] | None = None
+    ) -> None:
+        self.need, self.count = needs(demand)
+        self.free = dict(free)
+        if fitting is None:
+            fitting = {n for n, room in self.free.items() if self.need.fits_in(room)}
+        self.fitting = set(fitting)
+
+    def release(self, job: RunningJob, back: bool = False) -> None:
+        """What `job` holds becomes free (or, `back`, is held again)."""
+        for node in job.placed_on:
+            if node in self.free:
+                change = job.demand.bundle
+                self.free[node] = self.free[node] - change if back else self.free[node] + change
+                if self.need.fits_in(self.free[node]):
+                    self.fitting.add(node)
+                else:
+                    self.fitting.discard(node)
+
+    def fits(self) -> bool:
+        return len(self.fitting) >= self.count
+
+    def copy(self) -> _Room:
+        other = object.__new__(_Room)
+        other.need, other.count = self.need, self.count
+        other.free, other.fitting = dict(self.free), set(self.fitting)
+        return other
 
 
 def order(
@@ -206,7 +545,8 @@ def order(
     quotas: Mapping[str, Mapping[str, float]],
     cluster: Resources,
 ) -> list[QueuedJob]:
-    """Rule 1: the queue as it will be served."""
+    """Rule 2's interleaving: each team's jobs by priority then push, the next one from the
+    team furthest below its share."""
     by_team: dict[str | None, list[QueuedJob]] = {}
     for job in sorted(queued, key=lambda j: (-j.priority, j.pushed_at, j.job_id)):
         by_team.setdefault(job.team, []).append(job)
@@ -216,14 +556,16 @@ def order(
         return dominant_share(used[team], quotas.get(team or ""), cluster)
 
     shares = {team: share(team) for team in by_team}
+    heads = dict.fromkeys(by_team, 0)
     ordered: list[QueuedJob] = []
-    while by_team:
-        team = min(by_team, key=lambda t: (shares[t], -by_team[t][0].priority,
-                                           by_team[t][0].pushed_at))  # fmt: skip
-        job = by_team[team].pop(0)
+    while heads:
+        team = min(heads, key=lambda t: (shares[t], -by_team[t][heads[t]].priority,
+                                         by_team[t][heads[t]].pushed_at))  # fmt: skip
+        job = by_team[team][heads[team]]
         ordered.append(job)
-        if not by_team[team]:
-            del by_team[team]
+        heads[team] += 1
+        if heads[team] == len(by_team[team]):
+            del heads[team]
             continue
         used[team] = used[team] + job.demand.total
         shares[team] = share(team)
@@ -240,67 +582,36 @@ def dominant_share(used: Resources, quota: Mapping[str, float] | None, cluster: 
     return max(shares)
 
 
-def place(demand: Demand, free: Mapping[str, Resources]) -> tuple[str, ...] | None:
-    """Nodes for the bundles (best fit: the fullest node that fits first), or None."""
-    need = demand.total if demand.colocated else demand.bundle
-    count = 1 if demand.colocated else demand.nodes
-    fitting = [n for n, room in free.items() if need.fits_in(room)]
-    if len(fitting) < count:
-        return None
-    key = _main_key(need)
-    fitting.sort(key=lambda n: (free[n].get(key), n))
-    chosen = tuple(fitting[:count])
-    return chosen * demand.nodes if demand.colocated else chosen
-
-
-def never_fits(demand: Demand, nodes: Sequence[Node]) -> str:
-    need = demand.total if demand.colocated else demand.bundle
-    count = 1 if demand.colocated else demand.nodes
-    fitting = sum(1 for n in nodes if need.fits_in(n.capacity))
-    why = (
-        f"needs {count} node{'s' if count > 1 else ''} with {need.describe()} each; "
-        f"{fitting} of the cluster's {len(nodes)} node{'' if len(nodes) == 1 else 's'} "
-        f"{'has' if fitting == 1 else 'have'} "
-        "that much even when empty"
-    )
-    have = sorted({k for n in nodes for k, v in n.capacity.amounts.items()
-                   if k.startswith(GPU_PREFIX) and v > 0})  # fmt: skip
-    for key in need.amounts:
-        if key.startswith(GPU_PREFIX) and key not in have:
-            names = ", ".join(k.removeprefix(GPU_PREFIX) for k in have) or "no GPUs"
-            why += f" (no node has {key.removeprefix(GPU_PREFIX)} GPUs; the cluster has {names})"
-    return why
-
-
-def _main_key(need: Resources) -> str:
-    gpus = [k for k, v in need.amounts.items() if k.startswith(GPU_PREFIX) and v > 0]
-    return gpus[0] if gpus else "CPU"
-
-
-def _take(free: dict[str, Resources], demand: Demand, spot: tuple[str, ...]) -> None:
-    for node in spot:
-        free[node] = free[node] - demand.bundle
-
-
-def _with_released(
-    free: Mapping[str, Resources], jobs: Sequence[RunningJob]
-) -> dict[str, Resources]:
-    out = dict(free)
-    for job in jobs:
-        for node in job.placed_on:
-            if node in out:
-                out[node] = out[node] + job.demand.bundle
+def borrowed_jobs(
+    running: Sequence[RunningJob], quotas: Mapping[str, Mapping[str, float]]
+) -> set[str]:
+    """Rule 1: per team with a quota, its jobs in the order they started are its own while
+    they fit the quota together; from the first that does not, they borrow."""
+    by_team: dict[str | None, list[RunningJob]] = {}
+    for r in sorted(running, key=lambda r: (r.started_at, r.job_id)):
+        by_team.setdefault(r.team, []).append(r)
+    out: set[str] = set()
+    for team, jobs in by_team.items():
+        quota = quotas.get(team or "")
+        if not quota:
+            continue
+        used = Resources()
+        for i, r in enumerate(jobs):
+            used = used + r.demand.total
+            if any(used.get(k) > limit + 1e-9 for k, limit in quota.items()):
+                out.update(j.job_id for j in jobs[i:])
+                break
     return out
 
 
-def _candidates(job: QueuedJob, within: bool, running: list[RunningJob]) -> list[RunningJob]:
-    """Rule 3: whom `job` may preempt, in the order they go."""
-    found = [
-        r for r in running
-        if (within and r.borrowed and r.team != job.team)
-        or (r.team == job.team and r.priority < job.priority)
-    ]  # fmt: skip
-    return sorted(found, key=lambda r: (r.priority, -r.started_at, r.job_id))
+def _victim_order(jobs: list[RunningJob]) -> list[RunningJob]:
+    return sorted(jobs, key=lambda r: (r.priority, -r.started_at, r.job_id))
+
+
+def _why(victim: RunningJob, job: QueuedJob) -> str:
+    if victim.team != job.team:
+        return "borrowed capacity its team's quota needs"
+    return f"priority {victim.priority} is below its priority {job.priority}"
 
 
 def _usage(running: Sequence[RunningJob]) -> dict[str | None, Resources]:
@@ -308,52 +619,3 @@ def _usage(running: Sequence[RunningJob]) -> dict[str | None, Resources]:
     for r in running:
         usage[r.team] = usage.get(r.team, Resources()) + r.demand.total
     return usage
-
-
-def _cluster_total(nodes: Sequence[Node]) -> Resources:
-    return total(n.capacity for n in nodes)
-
-
-def _within_quota(
-    job: QueuedJob, usage: Mapping[str | None, Resources], quotas: Mapping[str, Mapping[str, float]]
-) -> bool:
-    quota = quotas.get(job.team or "")
-    if not quota:
-        return True
-    used, wanted = usage.get(job.team, Resources()), job.demand.total
-    return all(used.get(k) + wanted.get(k) <= limit + 1e-9 for k, limit in quota.items())
-
-
-def _why_waiting(
-    job: QueuedJob,
-    within: bool,
-    usage: Mapping[str | None, Resources],
-    snap: ClusterSnapshot,
-    free: Mapping[str, Resources],
-) -> str:
-    need = job.demand.total if job.demand.colocated else job.demand.bundle
-    count = 1 if job.demand.colocated else job.demand.nodes
-    fitting = sum(1 for room in free.values() if need.fits_in(room))
-    room = (
-        f"needs {count} node{'s' if count > 1 else ''} with {need.describe()} free: "
-        f"{fitting} such node{'' if fitting == 1 else 's'} free"
-    )
-    if within:
-        return room
-    quota = snap.quotas.get(job.team or "", {})
-    used = usage.get(job.team, Resources())
-    over = [k for k in quota if used.get(k) + job.demand.total.get(k) > quota[k] + 1e-9]
-    key = over[0] if over else next(iter(quota))
-    limit = describe({key: quota[key]})
-    return (
-        f"team {job.team} is at its quota of {limit} ({used.get(key):g} in use) and the cluster "
-        f"has no idle capacity to lend: {room}"
-    )
-
-
-def _held(holder: QueuedJob, now: float) -> str:
-    waited = now - holder.pushed_at
-    return (
-        f"held behind {holder.job_id}, which has waited {waited:.0f} s: resources are kept for "
-        "it until it starts"
-    )

@@ -44,9 +44,11 @@ class QueueEntry(BaseModel):
     colocated: bool = False
     state: Literal["queued", "admitted"] = "queued"
     placed_on: list[str] = Field(default_factory=list)  # admitted: the node of each bundle
-    borrowed: bool = False
+    borrowed: bool = False  # beyond its team's quota: recomputed by every decision
     admitted_at: float | None = None
     preemption: str | None = None  # asked to leave: "preempted by <job>: <why>"
+    preempted_by: str | None = None  # the job it gave way to; kept when it is queued again
+    resumable: bool = False  # it checkpoints: a preemption costs it little
     ray_job_id: str | None = None  # the controller's Ray driver: gone while listed = it died
     submission_id: str | None = None  # the Ray job (the dashboard's id) running the controller
 
@@ -77,6 +79,8 @@ class QueueView(BaseModel):
     decided_at: float = 0.0
     waiting: list[WaitingView] = Field(default_factory=list)
     impossible: dict[str, str] = Field(default_factory=dict)  # job id -> why
+    spared: dict[str, str] = Field(default_factory=dict)  # running job -> why not preempted
+    reserved: dict[str, list[str]] = Field(default_factory=dict)  # held job -> nodes kept
     nodes: list[NodeView] = Field(default_factory=list)
 
 

@@ -1,0 +1,81 @@
+"""Where a job's bundles fit: on free resources, on empty nodes, after others leave.
+
+Pure arithmetic on `{node id: Resources}` maps, shared by the policy's rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from orchestrator.scheduler.resources import GPU_PREFIX, Resources
+
+if TYPE_CHECKING:
+    from orchestrator.scheduler.policy import Demand, Node, RunningJob
+
+
+def needs(demand: Demand) -> tuple[Resources, int]:
+    """What each node must hold and how many such nodes: a colocated job needs one node with
+    all its bundles."""
+    if demand.colocated:
+        return demand.total, 1
+    return demand.bundle, demand.nodes
+
+
+def place(
+    demand: Demand, free: Mapping[str, Resources], fitting: set[str] | None = None
+) -> tuple[str, ...] | None:
+    """Nodes for the bundles (best fit: the fullest node that fits first), or None.
+    `fitting`: the nodes of `free` known to hold a bundle, if the caller knows them."""
+    need, count = needs(demand)
+    if fitting is None:
+        fitting = {n for n, room in free.items() if need.fits_in(room)}
+    if len(fitting) < count:
+        return None
+    key = _main_key(need)
+    chosen = tuple(sorted(fitting, key=lambda n: (free[n].get(key), n))[:count])
+    return chosen * demand.nodes if demand.colocated else chosen
+
+
+def take(free: dict[str, Resources], demand: Demand, spot: tuple[str, ...]) -> None:
+    for node in spot:
+        free[node] = free[node] - demand.bundle
+
+
+def released(free: Mapping[str, Resources], jobs: Sequence[RunningJob]) -> dict[str, Resources]:
+    """`free` with what `jobs` hold added back, on the nodes `free` has."""
+    out = dict(free)
+    for job in jobs:
+        for node in job.placed_on:
+            if node in out:
+                out[node] = out[node] + job.demand.bundle
+    return out
+
+
+def shortfall(need: Resources, room: Resources) -> float:
+    """How far `room` is from holding `need`: the largest missing fraction of any resource."""
+    gaps = [(v - room.get(k)) / v for k, v in need.amounts.items() if v > 0]
+    return max([0.0, *gaps])
+
+
+def never_fits(demand: Demand, nodes: Sequence[Node]) -> str:
+    need, count = needs(demand)
+    fitting = sum(1 for n in nodes if need.fits_in(n.capacity))
+    why = (
+        f"needs {count} node{'s' if count > 1 else ''} with {need.describe()} each; "
+        f"{fitting} of the cluster's {len(nodes)} node{'' if len(nodes) == 1 else 's'} "
+        f"{'has' if fitting == 1 else 'have'} "
+        "that much even when empty"
+    )
+    have = sorted({k for n in nodes for k, v in n.capacity.amounts.items()
+                   if k.startswith(GPU_PREFIX) and v > 0})  # fmt: skip
+    for key in need.amounts:
+        if key.startswith(GPU_PREFIX) and key not in have:
+            names = ", ".join(k.removeprefix(GPU_PREFIX) for k in have) or "no GPUs"
+            why += f" (no node has {key.removeprefix(GPU_PREFIX)} GPUs; the cluster has {names})"
+    return why
+
+
+def _main_key(need: Resources) -> str:
+    gpus = [k for k, v in need.amounts.items() if k.startswith(GPU_PREFIX) and v > 0]
+    return gpus[0] if gpus else "CPU"
