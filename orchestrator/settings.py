@@ -88,6 +88,14 @@ def text(raw: str) -> str:
     return raw
 
 
+def within_team(raw: str) -> str:
+    """never, resumable or always (scheduler/policy.py WithinTeam)."""
+    value = raw.strip().lower()
+    if value not in ("never", "resumable", "always"):
+        raise ValueError("must be never, resumable or always")
+    return value
+
+
 _ALL: dict[str, Setting] = {}
 
 
@@ -152,6 +160,9 @@ CLUSTER_AUTOSCALES = _setting("CLUSTER_AUTOSCALES", False, flag, HEAD)
 # The queue (scheduler/policy.py): a job within its quota that has waited this long has what
 # frees up held for it (no starvation); a preempted job's commands and uploads get this long.
 QUEUE_HOLD_AFTER_S = _setting("QUEUE_HOLD_AFTER_S", 600.0, positive_float, HEAD)
+# Whether a job may preempt lower-priority running jobs of its own team: never (Kueue's default),
+# resumable (only jobs that checkpoint), always (also jobs that would start over).
+QUEUE_PREEMPT_WITHIN_TEAM = _setting("QUEUE_PREEMPT_WITHIN_TEAM", "never", within_team, HEAD)
 PREEMPTION_GRACE_S = _setting("PREEMPTION_GRACE_S", 60.0, positive_float, HEAD)
 
 # --- every node ---------------------------------------------------------------------------------

@@ -176,6 +176,29 @@ def test_queue_lists_waiting_jobs_next_first_then_unconsidered_then_impossible(r
     assert [r["job_id"] for r in as_json] == ["wait-s", "wait-v", "wait-n", "huge-s"]
 
 
+def test_queue_all_says_why_each_running_job_was_or_was_not_preempted(tmp_path):
+    root = StorageRoot(tmp_path / "storage")
+    store = QueueStore(root)
+    running = {"gone": {"preemption": "preempted by next: borrowed capacity its team's quota "
+                                      "needs", "preempted_by": "next"},
+               "kept": {}, "lent": {"borrowed": True}, "plain": {}}  # fmt: skip
+    for i, (job_id, extra) in enumerate(running.items()):
+        store.put(QueueEntry(job_id=job_id, team="t", pushed_at=float(i), bundle={"CPU": 1},
+                             state="admitted", placed_on=["n1"], **extra))  # fmt: skip
+    spared = "not preempted for urgent: preemption within a team is off " \
+        "(ORCHESTRATOR_QUEUE_PREEMPT_WITHIN_TEAM=never)"  # fmt: skip
+    store.write_view(QueueView(spared={"kept": spared}))
+    rows = {r["job_id"]: r["reason"] for r in queue(include_running=True, storage_root=root.url)}
+    assert rows == {
+        "gone": "preempted by next: borrowed capacity its team's quota needs",
+        "kept": spared,
+        "lent": "borrowed: it gives way first when the owners need their quota",
+        "plain": "",
+    }
+    out = invoke("queue", "--all", "--storage-root", root.url)
+    assert "ORCHESTRATOR_QUEUE_PREEMPT_WITHIN_TEAM=never" in out
+
+
 def test_an_empty_queue_says_so(tmp_path):
     assert "the queue is empty" in invoke("queue", "--storage-root", str(tmp_path / "empty"))
 

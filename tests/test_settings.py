@@ -48,3 +48,13 @@ def test_a_bad_value_is_one_error_naming_the_variable(monkeypatch, raw):
     )
     monkeypatch.setenv("ORCHESTRATOR_SCHEDULING_TIMEOUT_S", " 30 ")
     assert scheduling_timeout() == 30.0
+
+
+@pytest.mark.parametrize(("raw", "mode"), [("", "never"), ("Resumable", "resumable"),
+                                          (" always ", "always")])  # fmt: skip
+def test_preemption_within_a_team_is_never_unless_set(monkeypatch, raw, mode):
+    monkeypatch.setenv("ORCHESTRATOR_QUEUE_PREEMPT_WITHIN_TEAM", raw)
+    assert settings.QUEUE_PREEMPT_WITHIN_TEAM.get() == mode
+    monkeypatch.setenv("ORCHESTRATOR_QUEUE_PREEMPT_WITHIN_TEAM", "yes")
+    with pytest.raises(ConfigError, match="must be never, resumable or always"):
+        settings.QUEUE_PREEMPT_WITHIN_TEAM.get()

@@ -99,11 +99,12 @@ def queue(*, include_running: bool = False, storage_root: str | None = None) -> 
     view = store.view()
     waiting = {w.job_id: w for w in view.waiting} if view else {}
     impossible = view.impossible if view else {}
+    spared = view.spared if view else {}
     rows: list[tuple[tuple[int, int], dict]] = []  # (tier, position): sorted stably
     for e in store.entries():  # oldest push first
         if e.state == "admitted":
             if include_running:
-                rows.append(((0, 0), _row(e, "admitted", None, e.preemption or "")))
+                rows.append(((0, 0), _row(e, "admitted", None, _running_reason(e, spared))))
         elif e.job_id in impossible:
             rows.append(((3, 0), _row(e, "impossible", None, impossible[e.job_id])))
         elif e.job_id in waiting:
@@ -169,6 +170,17 @@ def _row(entry: QueueEntry, state: str, position: int | None, reason: str) -> di
         "demand": demand_text(entry),
         "state": state,
     }
+
+
+def _running_reason(entry: QueueEntry, spared: Mapping[str, str]) -> str:
+    """Why a running job was preempted, or was not (rules that protect it), or that it borrows."""
+    if entry.preemption:
+        return entry.preemption
+    if entry.job_id in spared:
+        return spared[entry.job_id]
+    return "borrowed: it gives way first when the owners need their quota" if (
+        entry.borrowed
+    ) else ""  # fmt: skip
 
 
 def _demand(entries: list[QueueEntry]) -> Resources:

@@ -18,11 +18,13 @@ from orchestrator import settings
 from orchestrator.scheduler.cluster_view import bundle_of
 from orchestrator.storage.queue_store import QueueEntry
 from orchestrator.storage.records import JobRecord
+from orchestrator.storage.retry import StorageUnavailable
 
 POLL_S = 0.25  # a queued job asks whether it is admitted this often
 PREEMPTION_POLL_S = 1.0  # a running job asks whether it must give way this often
 CALL_TIMEOUT_S = 30.0
 CALL_TRIES = 3
+STORAGE_RETRY_S = 2.0  # the queue service could not write our storage root: asked again after
 
 
 class NeverFits(Exception):
@@ -66,6 +68,7 @@ def queue_entry(record: JobRecord, ray_job_id: str | None) -> QueueEntry:
         bundle=bundle_of(compute),
         nodes=compute.node_count,
         colocated=record.colocate_ranks and compute.node_count > 1,
+        resumable=record.spec.job.runtime.checkpointing_config.enabled,
         ray_job_id=ray_job_id,
         submission_id=os.environ.get("RAY_JOB_SUBMISSION_ID") or record.job_id,
     )
@@ -142,16 +145,24 @@ class RayJobQueue:
         from orchestrator.scheduler.service import start_queue_service
 
         error: Exception | None = None
-        for _ in range(CALL_TRIES):
+        tries = 0
+        outage_until = time.monotonic() + self.record.storage.outage_s
+        while tries < CALL_TRIES:
             if self.service is None:
                 self.service = start_queue_service(
-                    settings.QUEUE_HOLD_AFTER_S.get(), settings.CLUSTER_AUTOSCALES.get()
-                )
+                    settings.QUEUE_HOLD_AFTER_S.get(), settings.CLUSTER_AUTOSCALES.get(),
+                    within_team=settings.QUEUE_PREEMPT_WITHIN_TEAM.get(),
+                )  # fmt: skip
             try:
                 call = getattr(self.service, method).remote(self.record.storage_root, *args)
                 return ray.get(call, timeout=CALL_TIMEOUT_S)
+            except StorageUnavailable as e:  # the service gave up on our root quickly: we wait
+                if time.monotonic() > outage_until:  # as long as the job's own budget says
+                    raise QueueUnavailable(f"the queue could not store its state: {e}") from None
+                time.sleep(STORAGE_RETRY_S)
             except (RayActorError, GetTimeoutError) as e:  # gone or stuck: started again
                 error, self.service = e, None
+                tries += 1
                 self.say(f"the queue service did not answer ({type(e).__name__}): asking again")
                 time.sleep(1.0)
         raise QueueUnavailable(f"the queue service did not answer {CALL_TRIES} times: {error}")
