@@ -31,8 +31,10 @@ class SimCluster:
     running: dict[str, RunningJob] = field(default_factory=dict)
     resumable: dict[str, bool] = field(default_factory=dict)  # job -> it checkpoints
     pushed_at: dict[str, float] = field(default_factory=dict)  # kept through a requeue
+    foreign: dict[str, Resources] = field(default_factory=dict)  # work that is not the queue's
     preemptions: list[tuple[str, str]] = field(default_factory=list)  # (victim, for job)
     last: Decision | None = None
+    last_snapshot: ClusterSnapshot | None = None  # what `last` was decided on
 
     def push(self, job_id: str, team: str | None, demand: Demand, priority: int = 0,
              resumable: bool = True) -> None:  # fmt: skip
@@ -49,25 +51,34 @@ class SimCluster:
         for job in self.running.values():
             for node in job.placed_on:
                 used[node] = used.get(node, Resources()) + job.demand.bundle
-        nodes = [Node(n, cap, cap - used.get(n, Resources())) for n, cap in self.capacity.items()]
+        nodes = [
+            Node(n, cap, cap - used.get(n, Resources()) - self.foreign.get(n, Resources()))
+            for n, cap in self.capacity.items()
+        ]
         return ClusterSnapshot(list(self.queued.values()), list(self.running.values()), nodes,
                                self.quotas, self.now)  # fmt: skip
 
     def step(self) -> Decision:
         """Jobs preempted last time leave (queued again), then one decision, carried out."""
+        self.requeue_leaving()
+        self.last_snapshot = self.snapshot()
+        return self.carry_out(self.policy.decide(self.last_snapshot))
+
+    def requeue_leaving(self) -> None:
         for job in [r for r in self.running.values() if r.leaving]:
             del self.running[job.job_id]
             self.queued[job.job_id] = QueuedJob(job.job_id, job.team, job.priority,
                                                 self.pushed_at[job.job_id], job.demand,
                                                 preempted_by=job.leaving_for)  # fmt: skip
-        decision = self.policy.decide(self.snapshot())
-        for admit in decision.admit:
+
+    def carry_out(self, decision: Decision) -> Decision:
+        for i, admit in enumerate(decision.admit):  # started in this order, as the service has
             job = self.queued.pop(admit.job_id)
             self.running[job.job_id] = RunningJob(
                 job.job_id,
                 job.team,
                 job.priority,
-                self.now,
+                self.now + i * 1e-6,
                 job.demand,
                 admit.placed_on,
                 resumable=self.resumable.get(job.job_id, True),

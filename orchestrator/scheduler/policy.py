@@ -4,10 +4,11 @@ Pure: the queue service hands `SchedulingPolicy.decide` a snapshot (queued jobs,
 where their bundles are, each node's capacity and free resources, the teams' quotas) and carries
 out the `Decision`. The rules (docs/architecture.md#the-job-queue says them for users):
 
-1. Quota. A team's running jobs, in the order they started, are its own while together they fit
-   its quota; the rest *borrow*. Recomputed every decision, so a job becomes its team's own when
-   the jobs before it end or the quota grows. A queued job is *within* its quota when it fits
-   the quota beside everything its team runs; a team without a quota is always within.
+1. Quota. A team's running jobs, highest priority first and then in the order they started, are
+   its own while together they fit its quota; the rest *borrow*. Recomputed every decision, so a
+   job becomes its team's own when the jobs before it end or the quota grows. A queued job is
+   *within* its quota when it fits the quota beside everything its team runs; a team without a
+   quota is always within.
 2. Order. First the jobs that waited `hold_after_s` within their quota (oldest push first); then
    those whose preemption freed room for them; then every other job within its quota, then the
    jobs beyond it. In the last two, within a team higher `priority` goes first, then earlier
@@ -142,8 +143,10 @@ class Decision:
     preempt: list[Preempt] = field(default_factory=list)
     waiting: list[Waiting] = field(default_factory=list)
     impossible: dict[str, str] = field(default_factory=dict)  # job id -> why
-    borrowed: set[str] = field(default_factory=set)  # running and admitted jobs that borrow
+    borrowed: set[str] = field(default_factory=set)  # running and admitted jobs that borrow now
     reserved: dict[str, tuple[str, ...]] = field(default_factory=dict)  # held job -> its nodes
+    held: dict[str, tuple[str, ...]] = field(default_factory=dict)  # preempting job -> its room
+    served: list[str] = field(default_factory=list)  # every possible job, in rule 2's order
     spared: dict[str, str] = field(default_factory=dict)  # running job -> why it was not preempted
 
 
@@ -172,7 +175,8 @@ class _Cycle:
         for r in snap.running:
             if r.leaving and r.leaving_for is not None:
                 self.leaving_for.setdefault(r.leaving_for, []).append(r)
-        self.decision = Decision(borrowed=borrowed_jobs(snap.running, snap.quotas))
+        self.lenders = borrowed_jobs(snap.running, snap.quotas)  # reclaimable by other teams
+        self.decision = Decision()
         self.waiting: list[tuple[str, str]] = []  # (job, why), in the order they are served
         self.started: set[str] = set()
         self.pending: set[str] = set()  # queued and able to start some day
@@ -182,6 +186,7 @@ class _Cycle:
         self.alike: dict[tuple, str] = {}
         self.memo: dict[tuple, object] = {}  # placements and candidates, until the next change
         self.never: dict[str, str | None] = {}  # by demand: why it fits no node even empty
+        self.texts: dict[str, str] = {}  # by demand: "needs 2 nodes with 8 H100, 32 CPU"
         # By demand: what one node must hold, the nodes that hold it now, those that could.
         self.nodes_for: dict[str, tuple[Resources, set[str], set[str]]] = {}
 
@@ -216,11 +221,19 @@ class _Cycle:
             Waiting(job_id, position, why)
             for position, (job_id, why) in enumerate(self.waiting, start=1)
         ]
+        queued = {j.job_id: j for j in snap.queued}
+        started = [  # in the order they were admitted, as the service records them
+            RunningJob(a.job_id, queued[a.job_id].team, queued[a.job_id].priority,
+                       snap.now + i * 1e-6, queued[a.job_id].demand, a.placed_on)
+            for i, a in enumerate(self.decision.admit)
+        ]  # fmt: skip
+        self.decision.borrowed = borrowed_jobs([*snap.running, *started], snap.quotas)
         return self.decision
 
     # -- one job ---------------------------------------------------------------------------------
 
     def _serve(self, job: QueuedJob, held: bool = False, may_borrow: bool = False) -> None:
+        self.decision.served.append(job.job_id)
         if self._gave_way(job):
             self._wait(job, f"gave way to {job.preempted_by}, which has not started yet: it "
                             "starts again after it")  # fmt: skip
@@ -252,8 +265,6 @@ class _Cycle:
 
     def _admit(self, job: QueuedJob, spot: tuple[str, ...], borrowed: bool) -> None:
         self.decision.admit.append(Admit(job.job_id, spot, borrowed))
-        if borrowed:
-            self.decision.borrowed.add(job.job_id)
         take(self.free, job.demand, spot)
         self.started.add(job.job_id)
         self._count(job)
@@ -307,8 +318,8 @@ class _Cycle:
     def _impossible(self, job: QueuedJob) -> bool:
         if self.snap.autoscaling:
             return False
-        if job.demand.key not in self.never:
-            empty = place(job.demand, self.capacity) is not None
+        if job.demand.key not in self.never:  # asked before anything is kept: every node counts
+            empty = len(self._useful(job.demand)) >= needs(job.demand)[1]
             self.never[job.demand.key] = None if empty else never_fits(job.demand, self.snap.nodes)
         why = self.never[job.demand.key]
         if why is not None:
@@ -410,7 +421,7 @@ class _Cycle:
             allowed, protected = [], []
             for r in self.running:
                 if r.team != job.team:
-                    if r.job_id in self.decision.borrowed:
+                    if r.job_id in self.lenders:
                         allowed.append(r)
                 elif r.priority < job.priority:
                     ok = mode is WithinTeam.ALWAYS or (mode is WithinTeam.RESUMABLE and r.resumable)
@@ -462,6 +473,7 @@ class _Cycle:
         """What `job` will start on is taken from `free` now (below zero until its victims
         have left), and its quota use counted: nothing after it takes either."""
         take(self.free, job.demand, spot)
+        self.decision.held[job.job_id] = spot
         self._count(job)
         self._changed(spot)
 
@@ -469,11 +481,12 @@ class _Cycle:
         """Rule 5: the nodes closest to holding `job` are kept for it (taken out of `free`)."""
         need, count = needs(job.demand)
         why = self._why_waiting(job, True)
-        eligible = sorted(self._useful(job.demand))
+        held = {n for spot in self.decision.held.values() for n in spot}
+        eligible = sorted(self._useful(job.demand) - held)  # not what is held for another
         eligible.sort(key=lambda n: (shortfall(need, self.free[n]), n))
         kept = tuple(eligible[:count])
         if not kept:
-            return f"{why}; the nodes it needs are kept for jobs that waited longer"
+            return f"{why}; the nodes it needs are kept or held for jobs that go first"
         for node in kept:
             del self.free[node]
         self.decision.reserved[job.job_id] = kept
@@ -482,13 +495,20 @@ class _Cycle:
         return (f"{why}; the {len(kept)} node{'s' if many else ''} closest to holding it "
                 f"{'are' if many else 'is'} kept for it until it starts")  # fmt: skip
 
+    def _needs_text(self, demand: Demand) -> str:
+        if demand.key not in self.texts:
+            need, count = needs(demand)
+            self.texts[demand.key] = f"needs {count} node{'s' if count > 1 else ''} with " + (
+                need.describe()
+            )  # fmt: skip
+        return self.texts[demand.key]
+
     def _why_waiting(self, job: QueuedJob, within: bool) -> str:
         key = ("room", job.demand.key)
         if key not in self.memo:
-            need, count = needs(job.demand)
             fitting = len(self._fitting(job.demand))
             self.memo[key] = (
-                f"needs {count} node{'s' if count > 1 else ''} with {need.describe()} free: "
+                f"{self._needs_text(job.demand)} free: "
                 f"{fitting} such node{'' if fitting == 1 else 's'} free"
             ) + (" (not counting nodes kept for jobs that waited longest)"
                  if self.decision.reserved else "")  # fmt: skip
@@ -585,10 +605,11 @@ def dominant_share(used: Resources, quota: Mapping[str, float] | None, cluster: 
 def borrowed_jobs(
     running: Sequence[RunningJob], quotas: Mapping[str, Mapping[str, float]]
 ) -> set[str]:
-    """Rule 1: per team with a quota, its jobs in the order they started are its own while
-    they fit the quota together; from the first that does not, they borrow."""
+    """Rule 1: per team with a quota, its jobs by priority (highest first), then the order they
+    started, are its own while they fit the quota together; from the first that does not, they
+    borrow."""
     by_team: dict[str | None, list[RunningJob]] = {}
-    for r in sorted(running, key=lambda r: (r.started_at, r.job_id)):
+    for r in sorted(running, key=lambda r: (-r.priority, r.started_at, r.job_id)):
         by_team.setdefault(r.team, []).append(r)
     out: set[str] = set()
     for team, jobs in by_team.items():

@@ -31,13 +31,13 @@ class Resources:
         out = dict(self.amounts)
         for k, v in other.amounts.items():
             out[k] = out.get(k, 0.0) + v
-        return Resources(out)
+        return _made(out)
 
     def __sub__(self, other: Resources) -> Resources:
         out = dict(self.amounts)
         for k, v in other.amounts.items():
             out[k] = out.get(k, 0.0) - v
-        return Resources(out)
+        return _made(out)
 
     def __mul__(self, count: int) -> Resources:
         return Resources({k: v * count for k, v in self.amounts.items()})
@@ -51,6 +51,14 @@ class Resources:
 
     def describe(self) -> str:
         return describe(self.amounts)
+
+
+def _made(amounts: dict[str, float]) -> Resources:
+    """A Resources without the dataclass's __init__: the policy adds and subtracts thousands
+    of times a decision."""
+    out = object.__new__(Resources)
+    object.__setattr__(out, "amounts", amounts)
+    return out
 
 
 def total(items: Iterable[Resources]) -> Resources:

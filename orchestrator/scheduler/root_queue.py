@@ -203,10 +203,10 @@ class RootQueue:
         snap = snapshot(list(self.entries.values()), self.cluster.nodes(), self.quotas, now,
                         autoscaling=self.autoscaling)  # fmt: skip
         decision = self.policy.decide(snap)
-        for admit in decision.admit:
+        for i, admit in enumerate(decision.admit):  # apart by 1 us: they started in this order
             self._put(self.entries[admit.job_id].model_copy(update={
                 "state": "admitted", "placed_on": list(admit.placed_on),
-                "borrowed": admit.borrowed, "admitted_at": now, "preempted_by": None,
+                "borrowed": admit.borrowed, "admitted_at": now + i * 1e-6, "preempted_by": None,
             }))  # fmt: skip
         for preempt in decision.preempt:
             victim = self.entries.get(preempt.victim)
