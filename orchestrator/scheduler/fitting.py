@@ -54,8 +54,11 @@ def released(free: Mapping[str, Resources], jobs: Sequence[RunningJob]) -> dict[
 
 def shortfall(need: Resources, room: Resources) -> float:
     """How far `room` is from holding `need`: the largest missing fraction of any resource."""
-    gaps = [(v - room.get(k)) / v for k, v in need.amounts.items() if v > 0]
-    return max([0.0, *gaps])
+    have, worst = room.amounts, 0.0
+    for key, amount in need.amounts.items():
+        if amount > 0:
+            worst = max(worst, (amount - have.get(key, 0.0)) / amount)
+    return worst
 
 
 def never_fits(demand: Demand, nodes: Sequence[Node]) -> str:

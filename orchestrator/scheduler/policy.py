@@ -187,6 +187,9 @@ class _Cycle:
         self.memo: dict[tuple, object] = {}  # placements and candidates, until the next change
         self.never: dict[str, str | None] = {}  # by demand: why it fits no node even empty
         self.texts: dict[str, str] = {}  # by demand: "needs 2 nodes with 8 H100, 32 CPU"
+        # By (team, priority): whom a job may preempt, and whom the rules protect; until a
+        # preemption changes who runs.
+        self.candidates: dict[tuple, tuple[list[RunningJob], list[RunningJob]]] = {}
         # By demand: what one node must hold, the nodes that hold it now, those that could.
         self.nodes_for: dict[str, tuple[Resources, set[str], set[str]]] = {}
 
@@ -384,6 +387,7 @@ class _Cycle:
         assert spot is not None
         for v in victims:
             self.running.remove(v)
+            self.candidates.clear()
             why = f"preempted by {job.job_id}: {_why(v, job)}"
             self.decision.preempt.append(Preempt(v.job_id, job.job_id, why))
         self._hold(job, spot)
@@ -415,8 +419,8 @@ class _Cycle:
     def _candidates(self, job: QueuedJob) -> tuple[list[RunningJob], list[RunningJob]]:
         """Whom `job` may preempt, in the order they go (lowest priority, then the most recently
         started), and the lower-priority jobs of its team that `within_team` protects."""
-        key = ("candidates", job.team, job.priority)
-        if key not in self.memo:
+        key = (job.team, job.priority)
+        if key not in self.candidates:
             mode = self.policy.within_team
             allowed, protected = [], []
             for r in self.running:
@@ -426,8 +430,8 @@ class _Cycle:
                 elif r.priority < job.priority:
                     ok = mode is WithinTeam.ALWAYS or (mode is WithinTeam.RESUMABLE and r.resumable)
                     (allowed if ok else protected).append(r)
-            self.memo[key] = _victim_order(allowed), _victim_order(protected)
-        return self.memo[key]  # type: ignore[return-value]
+            self.candidates[key] = _victim_order(allowed), _victim_order(protected)
+        return self.candidates[key]
 
     def _victims(
         self, job: QueuedJob, base: Mapping[str, Resources], candidates: Sequence[RunningJob],
