@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from heapq import nsmallest
 
 from orchestrator.scheduler.fitting import (
     needs,
@@ -207,19 +208,19 @@ class _Cycle:
         rest = [j for j in jobs if j.job_id not in first]
         for job in sorted(held, key=lambda j: (j.pushed_at, j.job_id)):
             if self._within(job):  # a job of its team held before may have used the quota
-                self._serve(job, held=True)
+                self._serve(job, True, held=True)
             else:
                 rest.append(job)
         for job in sorted(claimants, key=lambda j: (j.pushed_at, j.job_id)):
-            self._serve(job)
+            self._serve(job, self._within(job))
         beyond = []
         for job in order(rest, self.usage, snap.quotas, total(self.capacity.values())):
             if self._within(job):
-                self._serve(job)
+                self._serve(job, True)
             else:
                 beyond.append(job)  # borrows only what no job within its quota can use
         for job in beyond:
-            self._serve(job, may_borrow=True)
+            self._serve(job, False, may_borrow=True)
         self.decision.waiting = [
             Waiting(job_id, position, why)
             for position, (job_id, why) in enumerate(self.waiting, start=1)
@@ -235,13 +236,16 @@ class _Cycle:
 
     # -- one job ---------------------------------------------------------------------------------
 
-    def _serve(self, job: QueuedJob, held: bool = False, may_borrow: bool = False) -> None:
+    def _serve(
+        self, job: QueuedJob, within: bool, held: bool = False, may_borrow: bool = False
+    ) -> None:
+        """Admit `job`, make room for it, keep nodes for it, or say why it waits. `within`: it
+        fits its team's quota now."""
         self.decision.served.append(job.job_id)
         if self._gave_way(job):
             self._wait(job, f"gave way to {job.preempted_by}, which has not started yet: it "
                             "starts again after it")  # fmt: skip
             return
-        within = self._within(job)
         alike = (job.demand.key, job.team, job.priority, within, held, may_borrow)
         if (why := self.alike.get(alike)) is not None:
             self._wait(job, why, held)
@@ -486,9 +490,8 @@ class _Cycle:
         need, count = needs(job.demand)
         why = self._why_waiting(job, True)
         held = {n for spot in self.decision.held.values() for n in spot}
-        eligible = sorted(self._useful(job.demand) - held)  # not what is held for another
-        eligible.sort(key=lambda n: (shortfall(need, self.free[n]), n))
-        kept = tuple(eligible[:count])
+        eligible = self._useful(job.demand) - held  # not what is held for another job
+        kept = tuple(nsmallest(count, eligible, key=lambda n: (shortfall(need, self.free[n]), n)))
         if not kept:
             return f"{why}; the nodes it needs are kept or held for jobs that go first"
         for node in kept:
