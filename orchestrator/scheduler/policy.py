@@ -246,7 +246,8 @@ class _Cycle:
             self._wait(job, f"gave way to {job.preempted_by}, which has not started yet: it "
                             "starts again after it")  # fmt: skip
             return
-        alike = (job.demand.key, job.team, job.priority, within, held, may_borrow)
+        mine = job.job_id if job.job_id in self.leaving_for else None  # its own leaving victims
+        alike = (job.demand.key, job.team, job.priority, within, held, may_borrow, mine)
         if (why := self.alike.get(alike)) is not None:
             self._wait(job, why, held)
             return
