@@ -28,8 +28,14 @@ def driver(ray_cluster: LocalClusterInfo, monkeypatch: pytest.MonkeyPatch) -> It
                 ray.kill(ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE))
 
 
+# Pushed just now: a job that has waited past ORCHESTRATOR_QUEUE_HOLD_AFTER_S says so.
+NOW = time.time()
+
+
 def entry(job_id: str, cpus: float, at: float) -> dict:
-    return QueueEntry(job_id=job_id, team="t", pushed_at=at, bundle={"CPU": cpus}).model_dump()
+    return QueueEntry(
+        job_id=job_id, team="t", pushed_at=NOW + at, bundle={"CPU": cpus}
+    ).model_dump()
 
 
 def test_a_killed_service_comes_back_with_the_same_queue(driver, tmp_path):
@@ -72,5 +78,5 @@ def test_a_killed_service_comes_back_with_the_same_queue(driver, tmp_path):
     assert back["state"] == "queued"
     assert ray.get(again.admission.remote(root, "d"))["state"] == "admitted"
     view = {e["job_id"]: e for e in ray.get(again.view.remote(root))["entries"]}
-    assert view["d"]["priority"] == 7 and view["c"]["pushed_at"] == 2.0
+    assert view["d"]["priority"] == 7 and view["c"]["pushed_at"] == NOW + 2.0
     assert [e.job_id for e in QueueStore(StorageRoot(root)).entries()] == ["c", "b", "d"]
