@@ -26,7 +26,7 @@ from orchestrator.scheduler.policy import (
     SchedulingPolicy,
     WithinTeam,
 )
-from orchestrator.scheduler.resources import Resources
+from orchestrator.scheduler.resources import Resources, total
 
 NODE_KINDS = {
     "h100": Resources.of(H100=8, CPU=32),
@@ -180,7 +180,7 @@ def check(snap: ClusterSnapshot, d: Decision, mode: WithinTeam, hold: float) -> 
               for i, a in enumerate(d.admit)]  # fmt: skip
     assert d.borrowed == _borrowed(after, snap.quotas), "borrowed labels"
     for team, quota in snap.quotas.items():
-        own = _total(r.demand.total for r in after if r.team == team and r.job_id not in d.borrowed)
+        own = total(r.demand.total for r in after if r.team == team and r.job_id not in d.borrowed)
         assert _within_limits(own, quota), f"team {team}'s own jobs exceed its quota"
 
     usage = {}  # what each team runs, is admitted and holds room for, after this decision
@@ -352,7 +352,7 @@ def _released(
 
 
 def _ours(jobs: Iterable[RunningJob], node: str) -> Resources:
-    return _total(j.demand.bundle for j in jobs for n in j.placed_on if n == node)
+    return total(j.demand.bundle for j in jobs for n in j.placed_on if n == node)
 
 
 def _used(
@@ -367,13 +367,6 @@ def _used(
         for node in nodes:
             used[node] = used.get(node, Resources()) + bundle
     return used
-
-
-def _total(items: Iterable[Resources]) -> Resources:
-    out = Resources()
-    for item in items:
-        out = out + item
-    return out
 
 
 def _as_running(job: QueuedJob, nodes: tuple[str, ...], now: float) -> RunningJob:
