@@ -307,11 +307,11 @@ def _quota_ok(
 ) -> bool:  # fmt: skip
     """`job` within its team's quota beside `used`, less what `gone` of its team hold."""
     quota = quotas.get(job.team or "")
-    total = used.get(job.team, Resources()) + job.demand.total
+    wanted = used.get(job.team, Resources()) + job.demand.total
     for v in gone:
         if v.team == job.team:
-            total = total - v.demand.total
-    return not quota or _within_limits(total, quota)
+            wanted = wanted - v.demand.total
+    return not quota or _within_limits(wanted, quota)
 
 
 # -- arithmetic, written again here so the checks do not lean on the policy's -------------------
