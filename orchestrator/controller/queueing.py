@@ -158,7 +158,8 @@ class RayJobQueue:
                 return ray.get(call, timeout=CALL_TIMEOUT_S)
             except StorageUnavailable as e:  # the service gave up on our root quickly: we wait
                 if time.monotonic() > outage_until:  # as long as the job's own budget says
-                    raise QueueUnavailable(f"the queue could not store its state: {e}") from None
+                    why = str(e).strip().splitlines()[-1]  # through Ray: the remote traceback first
+                    raise QueueUnavailable(f"the queue could not store its state: {why}") from None
                 time.sleep(STORAGE_RETRY_S)
             except (RayActorError, GetTimeoutError) as e:  # gone or stuck: started again
                 error, self.service = e, None
