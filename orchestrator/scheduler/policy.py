@@ -35,7 +35,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from heapq import nsmallest
+from heapq import heapify, heappop, heappush, nsmallest
+from typing import NamedTuple
 
 from orchestrator.scheduler.fitting import (
     needs,
@@ -131,8 +132,7 @@ class Preempt:
     reason: str  # "preempted by <job>: ..."
 
 
-@dataclass(frozen=True)
-class Waiting:
+class Waiting(NamedTuple):  # a tuple: a decision makes one for each of 1,000 waiting jobs
     job_id: str
     position: int  # 1 = next to start
     reason: str
@@ -186,17 +186,25 @@ class _Cycle:
         # admitted, preempted or kept: why they wait is remembered (1,000 jobs, few shapes).
         self.alike: dict[tuple, str] = {}
         self.memo: dict[tuple, object] = {}  # placements and candidates, until the next change
-        self.never: dict[str, str | None] = {}  # by demand: why it fits no node even empty
+        self.within: dict[tuple, bool] = {}  # (team, demand) -> within quota, until team use grows
         self.texts: dict[str, str] = {}  # by demand: "needs 2 nodes with 8 H100, 32 CPU"
         # By (team, priority): whom a job may preempt, and whom the rules protect; until a
         # preemption changes who runs.
-        self.candidates: dict[tuple, tuple[list[RunningJob], list[RunningJob]]] = {}
+        self.candidates: dict[tuple, tuple[list[RunningJob], list[RunningJob], list[RunningJob]]]
+        self.candidates = {}
         # By demand: what one node must hold, the nodes that hold it now, those that could.
         self.nodes_for: dict[str, tuple[Resources, set[str], set[str]]] = {}
+        # By demand, by node: how far the node's free resources are from one bundle.
+        self.gaps: dict[str, dict[str, float]] = {}
+        self.held_nodes: set[str] = set()  # nodes of decision.held
+        # Nodes alike (the same capacity; the same free resources) hold a bundle alike: each
+        # question is asked once per kind of node, not once per node.
+        self.kinds = _kinds(self.capacity)
+        self.free_kinds: list[tuple[Resources, list[str]]] | None = None  # until free changes
 
     def run(self) -> Decision:
         snap, hold = self.snap, self.policy.hold_after_s
-        jobs = [j for j in snap.queued if not self._impossible(j)]
+        jobs = self._possible(snap.queued)
         self.pending = {j.job_id for j in jobs}
         claims = set(self.leaving_for) | {j.preempted_by for j in jobs if j.preempted_by}
         held = [j for j in jobs if snap.now - j.pushed_at >= hold and self._within(j)
@@ -284,6 +292,10 @@ class _Cycle:
         self.changes += 1
         self.alike.clear()
         self.memo.clear()
+        self.free_kinds = None
+        for gaps in self.gaps.values():
+            for node in nodes:
+                gaps.pop(node, None)
         for need, fitting, useful in self.nodes_for.values():
             for node in nodes:
                 if node in self.free and need.fits_in(self.free[node]):
@@ -310,29 +322,39 @@ class _Cycle:
     def _nodes_for(self, demand: Demand) -> tuple[Resources, set[str], set[str]]:
         if demand.key not in self.nodes_for:
             need, _ = needs(demand)
-            fitting = {n for n, room in self.free.items() if need.fits_in(room)}
-            useful = {n for n in self.free if need.fits_in(self.capacity[n])}
+            if self.free_kinds is None:
+                self.free_kinds = _kinds(self.free)
+            fitting = {n for room, nodes in self.free_kinds if need.fits_in(room) for n in nodes}
+            useful = {
+                n for capacity, nodes in self.kinds if need.fits_in(capacity)
+                for n in nodes if n in self.free
+            }  # fmt: skip
             self.nodes_for[demand.key] = need, fitting, useful
         return self.nodes_for[demand.key]
 
     def _count(self, job: QueuedJob) -> None:
         self.usage[job.team] = self.usage.get(job.team, _NOTHING) + job.demand.total
+        self.within.clear()
 
     def _gave_way(self, job: QueuedJob) -> bool:
         """Preempted for a job that has not started yet (and still may): it goes first."""
         by = job.preempted_by
         return by is not None and by in self.pending and by not in self.started
 
-    def _impossible(self, job: QueuedJob) -> bool:
+    def _possible(self, jobs: Sequence[QueuedJob]) -> list[QueuedJob]:
+        """`jobs` less those that fit no node even when the cluster is empty (rule 6), which
+        are noted in the decision. Asked before anything is kept: every node counts."""
         if self.snap.autoscaling:
-            return False
-        if job.demand.key not in self.never:  # asked before anything is kept: every node counts
-            empty = len(self._useful(job.demand)) >= needs(job.demand)[1]
-            self.never[job.demand.key] = None if empty else never_fits(job.demand, self.snap.nodes)
-        why = self.never[job.demand.key]
-        if why is not None:
-            self.decision.impossible[job.job_id] = why
-        return why is not None
+            return list(jobs)
+        never: dict[str, str | None] = {}
+        for job in jobs:
+            if job.demand.key not in never:
+                empty = len(self._useful(job.demand)) >= needs(job.demand)[1]
+                never[job.demand.key] = None if empty else never_fits(job.demand, self.snap.nodes)
+        for job in jobs:
+            if (why := never[job.demand.key]) is not None:
+                self.decision.impossible[job.job_id] = why
+        return [j for j in jobs if never[j.demand.key] is None]
 
     # -- quotas ----------------------------------------------------------------------------------
 
@@ -341,12 +363,13 @@ class _Cycle:
         quota = self.snap.quotas.get(job.team or "")
         if not quota:
             return True
-        if not victims:
-            key = ("within", job.team, job.demand.key)
-            if key not in self.memo:
-                self.memo[key] = self._fits_quota(job, quota, ())
-            return self.memo[key]  # type: ignore[return-value]
-        return self._fits_quota(job, quota, victims)
+        if victims:
+            return self._fits_quota(job, quota, victims)
+        key = (job.team, job.demand.key)
+        within = self.within.get(key)
+        if within is None:
+            within = self.within[key] = self._fits_quota(job, quota, ())
+        return within
 
     def _fits_quota(
         self, job: QueuedJob, quota: Mapping[str, float], victims: Sequence[RunningJob]
@@ -384,7 +407,7 @@ class _Cycle:
             if spot is not None:
                 self._hold(job, spot)
                 return "waiting for preempted jobs to leave"
-        allowed, _ = self._candidates(job)
+        allowed, _, _ = self._candidates(job)
         victims = self._victims(job, base, allowed, mine)
         if victims is None:
             return None
@@ -401,12 +424,12 @@ class _Cycle:
     def _not_preempted(self, job: QueuedJob) -> str:
         """Why `job` waits although preempting jobs of its own team would make room ("" if
         it would not); each such job notes why it was spared."""
-        allowed, protected = self._candidates(job)
+        _, protected, everyone = self._candidates(job)
         if not protected:
             return ""
         mine = self.leaving_for.get(job.job_id, [])
         base = released(self.free, mine) if mine else self.free
-        victims = self._victims(job, base, _victim_order(allowed + protected), mine)
+        victims = self._victims(job, base, everyone, mine)
         spared = [v.job_id for v in victims or () if v in protected]
         if not spared:
             return ""
@@ -421,9 +444,11 @@ class _Cycle:
             self.decision.spared.setdefault(job_id, f"not preempted for {job.job_id}: {why}")
         return f"; preempting {', '.join(spared)} of its own team would make room, but {why}"
 
-    def _candidates(self, job: QueuedJob) -> tuple[list[RunningJob], list[RunningJob]]:
+    def _candidates(
+        self, job: QueuedJob
+    ) -> tuple[list[RunningJob], list[RunningJob], list[RunningJob]]:
         """Whom `job` may preempt, in the order they go (lowest priority, then the most recently
-        started), and the lower-priority jobs of its team that `within_team` protects."""
+        started), the lower-priority jobs of its team that `within_team` protects, and both."""
         key = (job.team, job.priority)
         if key not in self.candidates:
             mode = self.policy.within_team
@@ -435,7 +460,11 @@ class _Cycle:
                 elif r.priority < job.priority:
                     ok = mode is WithinTeam.ALWAYS or (mode is WithinTeam.RESUMABLE and r.resumable)
                     (allowed if ok else protected).append(r)
-            self.candidates[key] = _victim_order(allowed), _victim_order(protected)
+            self.candidates[key] = (
+                _victim_order(allowed),
+                _victim_order(protected),
+                _victim_order(allowed + protected),
+            )
         return self.candidates[key]
 
     def _victims(
@@ -447,14 +476,14 @@ class _Cycle:
         Another team's job counts only while its team, without the victims before it, is
         still over its quota."""
         useful = self._useful(job.demand)
-        candidates = [c for c in candidates if useful.intersection(c.placed_on)]
+        candidates = [c for c in candidates if not useful.isdisjoint(c.placed_on)]
         if not candidates:
             return None
         if not self._within(job, [*candidates, *leaving]):
             return None  # not even all of them would bring it within its quota
         fitting = None if leaving else self._fitting(job.demand) & useful
-        room = _Room(job.demand, {n: base[n] for n in useful}, fitting)
-        everyone = room.copy()
+        room = _Room(job.demand, base, useful, fitting)
+        everyone = _Room(job.demand, base, useful, room.fitting)
         for c in candidates:
             everyone.release(c)
         if not everyone.fits():
@@ -483,6 +512,7 @@ class _Cycle:
         have left), and its quota use counted: nothing after it takes either."""
         take(self.free, job.demand, spot)
         self.decision.held[job.job_id] = spot
+        self.held_nodes.update(spot)
         self._count(job)
         self._changed(spot)
 
@@ -490,9 +520,11 @@ class _Cycle:
         """Rule 5: the nodes closest to holding `job` are kept for it (taken out of `free`)."""
         need, count = needs(job.demand)
         why = self._why_waiting(job, True)
-        held = {n for spot in self.decision.held.values() for n in spot}
-        eligible = self._useful(job.demand) - held  # not what is held for another job
-        kept = tuple(nsmallest(count, eligible, key=lambda n: (shortfall(need, self.free[n]), n)))
+        eligible = self._useful(job.demand) - self.held_nodes  # not held for another job
+        gaps = self.gaps.setdefault(job.demand.key, {})
+        for node in eligible - gaps.keys():
+            gaps[node] = shortfall(need, self.free[node])
+        kept = tuple(nsmallest(count, eligible, key=lambda n: (gaps[n], n)))
         if not kept:
             return f"{why}; the nodes it needs are kept or held for jobs that go first"
         for node in kept:
@@ -535,36 +567,46 @@ class _Cycle:
 
 class _Room:
     """Free resources on the nodes that could hold a job's bundles, and how many of them hold
-    one now: each release or return updates only the nodes of that job."""
+    one now: each release or return updates only the nodes of that job, in place."""
 
     def __init__(
-        self, demand: Demand, free: Mapping[str, Resources], fitting: set[str] | None = None
-    ) -> None:
+        self, demand: Demand, base: Mapping[str, Resources], nodes: set[str],
+        fitting: set[str] | None = None,
+    ) -> None:  # fmt: skip
         self.need, self.count = needs(demand)
-        self.free = dict(free)
+        self.base, self.nodes = base, nodes  # not copied: a room only reads them
+        self.changed: dict[str, dict[str, float]] = {}  # node -> its free resources now
         if fitting is None:
-            fitting = {n for n, room in self.free.items() if self.need.fits_in(room)}
+            fitting = {n for n in nodes if self.need.fits_in(base[n])}
         self.fitting = set(fitting)
 
     def release(self, job: RunningJob, back: bool = False) -> None:
         """What `job` holds becomes free (or, `back`, is held again)."""
+        sign = -1.0 if back else 1.0
+        bundle = job.demand.bundle.amounts
         for node in job.placed_on:
-            if node in self.free:
-                change = job.demand.bundle
-                self.free[node] = self.free[node] - change if back else self.free[node] + change
-                if self.need.fits_in(self.free[node]):
-                    self.fitting.add(node)
-                else:
-                    self.fitting.discard(node)
+            if node not in self.nodes:
+                continue
+            room = self.changed.get(node)
+            if room is None:
+                room = self.changed[node] = dict(self.base[node].amounts)
+            for key, amount in bundle.items():
+                room[key] = room.get(key, 0.0) + sign * amount
+            if _holds(room, self.need.amounts):
+                self.fitting.add(node)
+            else:
+                self.fitting.discard(node)
 
     def fits(self) -> bool:
         return len(self.fitting) >= self.count
 
-    def copy(self) -> _Room:
-        other = object.__new__(_Room)
-        other.need, other.count = self.need, self.count
-        other.free, other.fitting = dict(self.free), set(self.fitting)
-        return other
+
+def _holds(room: Mapping[str, float], need: Mapping[str, float]) -> bool:
+    """`Resources.fits_in` on plain amounts."""
+    for key, amount in need.items():
+        if amount > 0 and amount > room.get(key, 0.0) + 1e-9:
+            return False
+    return True
 
 
 def order(
@@ -578,26 +620,42 @@ def order(
     by_team: dict[str | None, list[QueuedJob]] = {}
     for job in sorted(queued, key=lambda j: (-j.priority, j.pushed_at, j.job_id)):
         by_team.setdefault(job.team, []).append(job)
-    used = {team: usage.get(team, Resources()) for team in by_team}
-
-    def share(team: str | None) -> float:
-        return dominant_share(used[team], quotas.get(team or ""), cluster)
-
-    shares = {team: share(team) for team in by_team}
-    heads = dict.fromkeys(by_team, 0)
+    # A team's use only grows as its jobs are ordered, so its dominant share is the larger of
+    # the share before and the new job's resources' shares: no full recount per job.
+    used = {team: dict(usage.get(team, _NOTHING).amounts) for team in by_team}
+    limits = {team: _limits(quotas.get(team or ""), cluster) for team in by_team}
+    heap = []
+    for rank, (team, jobs) in enumerate(by_team.items()):
+        head = jobs[0]
+        share = dominant_share(usage.get(team, _NOTHING), quotas.get(team or ""), cluster)
+        heap.append((share, -head.priority, head.pushed_at, rank, team, 0))
+    heapify(heap)
     ordered: list[QueuedJob] = []
-    while heads:
-        team = min(heads, key=lambda t: (shares[t], -by_team[t][heads[t]].priority,
-                                         by_team[t][heads[t]].pushed_at))  # fmt: skip
-        job = by_team[team][heads[team]]
-        ordered.append(job)
-        heads[team] += 1
-        if heads[team] == len(by_team[team]):
-            del heads[team]
-            continue
-        used[team] = used[team] + job.demand.total
-        shares[team] = share(team)
+    while heap:
+        share, _, _, rank, team, i = heappop(heap)
+        jobs, mine, limit = by_team[team], used[team], limits[team]
+        while True:  # this team's jobs, until another team's head goes first
+            job = jobs[i]
+            ordered.append(job)
+            i += 1
+            if i == len(jobs):
+                break
+            for key, amount in job.demand.total.amounts.items():
+                now = mine[key] = mine.get(key, 0.0) + amount
+                if amount > 0 and (most := limit.get(key)) and now / most > share:
+                    share = now / most
+            head = jobs[i]
+            entry = (share, -head.priority, head.pushed_at, rank, team, i)
+            if heap and heap[0] < entry:  # ranks differ: the comparison never reaches team
+                heappush(heap, entry)
+                break
     return ordered
+
+
+def _limits(quota: Mapping[str, float] | None, cluster: Resources) -> dict[str, float]:
+    """What each resource's share is a fraction of: the quota's limit, else the cluster's."""
+    keys = set(cluster.amounts) | set(quota or ())
+    return {k: (quota or {}).get(k) or cluster.get(k) for k in keys}
 
 
 def dominant_share(used: Resources, quota: Mapping[str, float] | None, cluster: Resources) -> float:
@@ -641,6 +699,14 @@ def _why(victim: RunningJob, job: QueuedJob) -> str:
     if victim.team != job.team:
         return "borrowed capacity its team's quota needs"
     return f"priority {victim.priority} is below its priority {job.priority}"
+
+
+def _kinds(nodes: Mapping[str, Resources]) -> list[tuple[Resources, list[str]]]:
+    """`nodes` grouped by equal resources: a cluster has few kinds of node."""
+    kinds: dict[frozenset, tuple[Resources, list[str]]] = {}
+    for node, room in nodes.items():
+        kinds.setdefault(frozenset(room.amounts.items()), (room, []))[1].append(node)
+    return list(kinds.values())
 
 
 def _usage(running: Sequence[RunningJob]) -> dict[str | None, Resources]:
