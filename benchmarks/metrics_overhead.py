@@ -29,7 +29,7 @@ from pathlib import Path
 
 from common import code_state
 
-from orchestrator.agents.node_metrics import (
+from orchestrator.node.node_metrics import (
     DISK_WALK_SHARE,
     FLUSH_S,
     Gauges,

@@ -25,7 +25,7 @@ files, so the sets below cost it disk, not memory; its peak RSS is printed. MB =
    per size: the miss's mirror time (from its log line) and node fill (`nodes[0].seconds`), and
    for the hits the median `details().weights[0].nodes[0].seconds` (the agent's whole delivery
    step: asking the node cache, and the link at mount_location) and DEPLOYING -> RUNNING from
-   the job's history; plus the node cache's own lookup (`SetCache.get`) timed here. Targets:
+   the job's history; plus the node cache's own lookup (`WeightSetCache.get`) timed here. Targets:
    a 2 GB hit under 0.5 s; the largest size's median hit within 20% of the smallest's.
 
 The cluster's state, storage root, node cache (ORCHESTRATOR_NODE_CACHE_DIR) and the data are in
@@ -155,7 +155,7 @@ def raw_get(remote: list[str], dest: Path) -> Callable[[int], Copy]:
 
 def our_copy(source: str, dest: Path, resolve_s: list[float]) -> Callable[[int], Copy]:
     from orchestrator.agents.weight_mirror import Progress, copy_set
-    from orchestrator.agents.weight_sources import open_source
+    from orchestrator.node.weight_sources import open_source
     from orchestrator.spec.weights import WeightsSource
     from orchestrator.storage.root import StorageRoot
     from orchestrator.storage.weights import CONCURRENCY_ENV, MirrorStore, set_key
@@ -261,7 +261,7 @@ class SizeRun:
     hit_s: list[float] = field(default_factory=list)  # nodes[0].seconds
     deploying_s: list[float] = field(default_factory=list)  # DEPLOYING -> RUNNING
     check_s: list[float] = field(default_factory=list)  # the mirror's freshness check on a hit
-    lookup_s: list[float] = field(default_factory=list)  # SetCache.get, here
+    lookup_s: list[float] = field(default_factory=list)  # WeightSetCache.get, here
     tiers: list[str] = field(default_factory=list)
 
 
@@ -291,12 +291,12 @@ def run_job(run: SizeRun, storage_root: str) -> dict[str, Any]:
 
 
 def cache_lookups(cache_dir: Path, runs: list[SizeRun], rounds: int) -> None:
-    """The node cache's own part of a hit: SetCache.get on the same directory, timed here."""
+    """The node cache's own part of a hit: WeightSetCache.get on the same directory, timed here."""
     import json
 
-    from orchestrator.storage.set_cache import SetCache
+    from orchestrator.storage.weight_set_cache import WeightSetCache
 
-    cache = SetCache(cache_dir, budget_bytes=0)  # get() never evicts: the budget is not read
+    cache = WeightSetCache(cache_dir, budget_bytes=0)  # get() never evicts: the budget is not read
     index = json.loads((cache_dir / "index.json").read_text())
     by_size = {round(e["bytes"] / GB, 3): k for k, e in index.items()}
     holder = f"bench-{uuid.uuid4().hex[:8]}"
@@ -310,7 +310,7 @@ def cache_lookups(cache_dir: Path, runs: list[SizeRun], rounds: int) -> None:
 
 
 def bench_hits(args: argparse.Namespace, fs: Any, moto: Moto, work: Path) -> dict[str, Any]:
-    from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV
+    from orchestrator.agents.weight_cache import NODE_CACHE_DIR_ENV
     from orchestrator.cluster.local import LocalCluster, embedded_env
 
     tag = uuid.uuid4().hex[:6]
@@ -391,7 +391,7 @@ def report_hits(runs: list[SizeRun]) -> dict[str, Any]:
     print(
         f"\n  hits (nodes[0].seconds: the agent's whole delivery step)\n  {'size':>6} "
         f"{'hits':>5} {'median':>8} {'min':>7} {'max':>7} {'DEPLOYING->RUNNING':>19} "
-        f"{'mirror check':>13} {'SetCache.get':>13}"
+        f"{'mirror check':>13} {'WeightSetCache.get':>13}"
     )
     for run in runs:
         print(

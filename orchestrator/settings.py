@@ -148,7 +148,7 @@ SERVE_PORT = _setting("SERVE_PORT", 8000, whole_number, CLIENT)
 DEPLOY_TIMEOUT_S = _setting("DEPLOY_TIMEOUT_S", 900.0, positive_float, CLIENT)
 # How long a pushed job may wait in the queue before it ends DEPLOY_FAILED; unset: no limit.
 QUEUE_TIMEOUT_S = _setting("QUEUE_TIMEOUT_S", None, positive_float, CLIENT)
-# How often each rank's resources are sampled (agents/node_metrics.py); 0: not sampled.
+# How often each rank's resources are sampled (node/node_metrics.py); 0: not sampled.
 METRICS_INTERVAL_S = _setting("METRICS_INTERVAL_S", 5.0, seconds, CLIENT)
 
 # --- the head node ------------------------------------------------------------------------------

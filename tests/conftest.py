@@ -20,7 +20,7 @@ from moto.server import ThreadedMotoServer
 from ray.cluster_utils import Cluster
 from servers import HubStandIn, TlsFileServer, trust_ca_in_aiohttp
 
-from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV
+from orchestrator.agents.weight_cache import NODE_CACHE_DIR_ENV
 from orchestrator.cluster.local import CLUSTER_ENV, LocalCluster, LocalClusterInfo, embedded_env
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.storage.root import StorageRoot

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from orchestrator.agents.cache_seeder import SHARED_CACHE_DIR_ENV, CacheSeeder
+from orchestrator.agents.training_cache_seeder import SHARED_CACHE_DIR_ENV, TrainingCacheSeeder
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.training_cache import CacheStore, LocalCopy
 
@@ -93,7 +93,10 @@ def test_teams_and_projects_are_separate_scopes(tmp_path):
 def test_on_a_shared_filesystem_every_node_works_on_one_copy(tmp_path, monkeypatch):
     monkeypatch.setenv(SHARED_CACHE_DIR_ENV, str(tmp_path / "shared"))
     storage = str(tmp_path / "root")
-    node_a, node_b = CacheSeeder(), CacheSeeder()  # two nodes' seeders, one filesystem
+    node_a, node_b = (
+        TrainingCacheSeeder(),
+        TrainingCacheSeeder(),
+    )  # two nodes' seeders, one filesystem
     seeded_a = node_a.seed(storage, "t", "proj")
     seeded_b = node_b.seed(storage, "t", "proj")
     assert seeded_a.shared and seeded_a.project.path == seeded_b.project.path

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.agents.checkpoint_rules import follows
 from orchestrator.agents.checkpoint_uploader import CheckpointUploader
+from orchestrator.node.checkpoint_rules import follows
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.records import CheckpointEntry
 from orchestrator.storage.root import StorageRoot

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.agents.checkpoint_rules import earlier_checkpoints
 from orchestrator.agents.checkpoint_uploader import CheckpointUploader
+from orchestrator.node.checkpoint_rules import earlier_checkpoints
 from orchestrator.storage.checkpoints import CheckpointStore, UploadSettings
 from orchestrator.storage.root import StorageRoot
 

@@ -31,14 +31,14 @@ from ray.autoscaler._private.resource_demand_scheduler import (
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from orchestrator import definitions as d
-from orchestrator.agents.secrets import secret_env_name
 from orchestrator.client.submit import SCHEDULING_TIMEOUT_ENV
-from orchestrator.controller.placement import (
+from orchestrator.node.secrets import secret_env_name
+from orchestrator.spec.accelerators import Accelerator
+from orchestrator.spec.placement import (
     ACCELERATOR_RESOURCE_PREFIX,
     bundles_for,
     strategy_for,
 )
-from orchestrator.spec.accelerators import Accelerator
 from orchestrator.storage.root import STORAGE_ROOT_ENV
 
 CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"

@@ -113,7 +113,11 @@ def test_every_bt_variable_a_job_gets_is_one_it_may_not_set():
     import re
 
     given = set()
-    for module in ("controller/environment.py", "agents/rendezvous.py", "agents/cache_mounts.py"):
+    for module in (
+        "controller/environment.py",
+        "agents/rendezvous.py",
+        "node/training_cache_mounts.py",
+    ):
         given |= set(re.findall(r'"(BT_[A-Z_]+)"', (root / module).read_text()))
     assert len(given) >= 14 and given <= JOB_VARIABLES, sorted(given - JOB_VARIABLES)
 

@@ -24,7 +24,7 @@ from conftest import eventually, make_job, simulated_cluster
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors, list_placement_groups
 
-from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV
+from orchestrator.agents.weight_cache import NODE_CACHE_DIR_ENV
 from orchestrator.client.api import get_job, push
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.overrides import Overrides

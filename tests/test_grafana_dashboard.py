@@ -1,5 +1,5 @@
 """docs/grafana/orchestrator-jobs.json charts exactly the series the node agents export
-(orchestrator/agents/metric_series.py), by the names and labels Prometheus scrapes them under."""
+(orchestrator/node/metric_series.py), by the names and labels Prometheus scrapes them under."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.agents import metric_series
+from orchestrator.node import metric_series
 
 DASHBOARD = Path(__file__).parent.parent / "docs" / "grafana" / "orchestrator-jobs.json"
 PREFIX = "ray_"  # Ray's metrics agent prefixes every series it exports

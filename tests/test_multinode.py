@@ -25,9 +25,9 @@ from conftest import make_job, simulated_cluster
 from ray.cluster_utils import Cluster
 from test_cli_checkpoints import cli
 
-from orchestrator.agents.cache_seeder import NODE_TRAINING_CACHE_DIR_ENV
-from orchestrator.agents.node_cache import CLUSTER_CACHE_DIR_ENV, NODE_CACHE_DIR_ENV
 from orchestrator.agents.rendezvous import Rendezvous
+from orchestrator.agents.training_cache_seeder import NODE_TRAINING_CACHE_DIR_ENV
+from orchestrator.agents.weight_cache import CLUSTER_CACHE_DIR_ENV, NODE_CACHE_DIR_ENV
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
 from orchestrator.lifecycle import JobState

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from test_checkpoint_upload import uploader, write_checkpoint
 
-from orchestrator.agents import node_metrics
 from orchestrator.agents.messages import MetricsRequest
 from orchestrator.agents.node_agent import NodeAgent
-from orchestrator.agents.node_metrics import (
+from orchestrator.node import node_metrics
+from orchestrator.node.node_metrics import (
     DiskSizes,
     GpuProbe,
     MetricsSampler,

@@ -1,4 +1,4 @@
-"""A command's output cut into lines and progress states (agents/output_splitter.py); no Ray."""
+"""A command's output cut into lines and progress states (node/output_splitter.py); no Ray."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from orchestrator.agents.output_splitter import MAX_LINE_CHARS, OutputSplitter, Piece
-from orchestrator.agents.secrets import SecretMasker
+from orchestrator.node.output_splitter import MAX_LINE_CHARS, OutputSplitter, Piece
+from orchestrator.node.secrets import SecretMasker
 
 SECRET = "hf_tok_5be07c1d9a"
 

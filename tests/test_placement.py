@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orchestrator import definitions as d
-from orchestrator.controller.placement import (
+from orchestrator.spec.placement import (
     bundles_for,
     describe_shortfall,
     never_fits,

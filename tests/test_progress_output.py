@@ -1,5 +1,5 @@
 """A job's output as it is written, not line by line: a real tqdm bar, and 50 MB without a
-newline, through the embedded cluster (agents/output_splitter.py, node_agent `_pump`)."""
+newline, through the embedded cluster (node/output_splitter.py, node_agent `_pump`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, make_job
 
-from orchestrator.agents.output_splitter import MAX_LINE_CHARS
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
 from orchestrator.lifecycle import JobState
+from orchestrator.node.output_splitter import MAX_LINE_CHARS
 from orchestrator.storage.logs import is_progress, read_logs
 from orchestrator.storage.root import StorageRoot
 

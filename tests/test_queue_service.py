@@ -11,7 +11,7 @@ import pytest
 import ray
 from conftest import ray_driver
 
-from orchestrator.agents.secret_service import NAMESPACE
+from orchestrator.actor_names import NAMESPACE
 from orchestrator.cluster.local import LocalClusterInfo
 from orchestrator.scheduler.service import QUEUE_SERVICE_NAME, start_queue_service
 from orchestrator.storage.queue_store import QueueEntry, QueueStore

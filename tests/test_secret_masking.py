@@ -2,7 +2,7 @@
 
 import random
 
-from orchestrator.agents.secrets import SecretMasker, StreamMasker
+from orchestrator.node.secrets import SecretMasker, StreamMasker
 
 PEM = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0B\n-----END PRIVATE KEY-----"
 

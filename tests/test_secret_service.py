@@ -11,7 +11,8 @@ import pytest
 import ray
 from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, ray_driver
 
-from orchestrator.agents.secret_service import NAMESPACE, SECRET_SERVICE_NAME, start_secret_service
+from orchestrator.actor_names import NAMESPACE
+from orchestrator.agents.secret_service import SECRET_SERVICE_NAME, start_secret_service
 from orchestrator.cluster.local import LocalClusterInfo
 from orchestrator.storage.secret_store import FileSecretStore
 
@@ -38,7 +39,7 @@ def service_running() -> bool:
 @ray.remote(num_cpus=0)
 def _lookup(name: str, team: str | None) -> tuple[str, str]:
     """On a node, as the node agent does it."""
-    from orchestrator.agents.secrets import SecretNotFound, SecretStoreError, resolve_secret
+    from orchestrator.node.secrets import SecretNotFound, SecretStoreError, resolve_secret
 
     try:
         return "value", resolve_secret(name, team)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.agents.secrets import SecretNotFound, resolve_secret
 from orchestrator.errors import OrchestratorError
+from orchestrator.node.secrets import SecretNotFound, resolve_secret
 from orchestrator.storage.secret_store import (
     EnvSecrets,
     FileSecretStore,

@@ -10,9 +10,9 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from orchestrator.agents.node_cache import _from_mirror
+from orchestrator.agents.weight_cache import _from_mirror
 from orchestrator.agents.weight_mirror import Progress, copy_set
-from orchestrator.agents.weight_sources import (
+from orchestrator.node.weight_sources import (
     CW_ENDPOINT_ENV,
     R2_ENDPOINT_ENV,
     SourceError,

@@ -14,7 +14,7 @@ import fsspec
 import pytest
 from conftest import HF_TOKEN, HF_TOKEN_SECRET, HF_WRONG_TOKEN_SECRET, eventually, make_job
 
-from orchestrator.agents.node_cache import NODE_CACHE_DIR_ENV, NODE_CACHE_GIB_ENV
+from orchestrator.agents.weight_cache import NODE_CACHE_DIR_ENV, NODE_CACHE_GIB_ENV
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
 from orchestrator.cluster.local import LocalCluster

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.agents.checkpoint_rules import (
+from orchestrator.agents.messages import UploaderFlush, UploaderPoll
+from orchestrator.node.checkpoint_rules import (
     TEMPORARY_PATTERNS,
     EntryKind,
     follows,
@@ -26,9 +27,8 @@ from orchestrator.agents.checkpoint_rules import (
     top_level,
     unfinished,
 )
-from orchestrator.agents.messages import UploaderFlush, UploaderPoll
-from orchestrator.agents.node_root import RankDirs
-from orchestrator.agents.rename_watch import RenameWatch
+from orchestrator.node.node_root import RankDirs
+from orchestrator.node.rename_watch import RenameWatch
 from orchestrator.storage.checkpoints import (
     CheckpointChanged,
     CheckpointStore,

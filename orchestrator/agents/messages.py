@@ -108,7 +108,7 @@ class PreparedNode:
 
 @dataclass(frozen=True)
 class MetricsRequest:
-    """How a rank's resources are sampled while its commands run (agents/node_metrics.py)."""
+    """How a rank's resources are sampled while its commands run (node/node_metrics.py)."""
 
     project: str
     interval_s: float  # 0: not sampled

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from orchestrator import actor_names
 from orchestrator.agents.messages import (
     CacheRequest,
     CacheSeeded,
@@ -38,12 +39,12 @@ from orchestrator.agents.messages import (
     StartRequest,
     WeightPlacement,
 )
-from orchestrator.agents.node_root import RankDirs
-from orchestrator.agents.output_splitter import OutputSplitter
 from orchestrator.agents.rendezvous import free_port, group_environment
-from orchestrator.agents.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
 from orchestrator.agents.services import NAMESPACE, actor_alive
-from orchestrator.agents.terminal import Terminals
+from orchestrator.node.node_root import RankDirs
+from orchestrator.node.output_splitter import OutputSplitter
+from orchestrator.node.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
+from orchestrator.node.terminal import Terminals
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS
@@ -53,8 +54,8 @@ from orchestrator.storage.root import StorageRoot
 # Weights and the training cache are imported where a job uses them: every job's agent worker
 # imports this module while the job waits to start (docs/performance.md).
 if TYPE_CHECKING:
-    from orchestrator.agents.cache_mounts import CacheMounts
-    from orchestrator.agents.node_metrics import MetricsSampler
+    from orchestrator.node.node_metrics import MetricsSampler
+    from orchestrator.node.training_cache_mounts import TrainingCacheMounts
     from orchestrator.storage.metrics import RankMetrics, UploadStats
 
 # Not RAY_ADDRESS itself: a job may start a Ray head of its own, which that name would confuse.
@@ -92,14 +93,8 @@ TERMINAL_GROUP = "terminal"  # the agent's concurrency group for terminals
 TERMINAL_THREADS = 8  # two per open terminal (its output long-poll and its input)
 
 
-def agent_name(job_id: str, rank: int) -> str:
-    """The actor name of a job's agent: also what marks the weights and links it holds."""
-    return f"orchestrator-{job_id}-rank-{rank}"
-
-
-def uploader_name(job_id: str, rank: int) -> str:
-    """The actor name of a rank's checkpoint uploader (in the NAMESPACE of agents/services)."""
-    return f"orchestrator-{job_id}-uploader-{rank}"
+agent_name = actor_names.node_agent  # also what marks the weights and links an agent holds
+uploader_name = actor_names.checkpoint_uploader
 
 
 class NodeAgent:
@@ -116,7 +111,7 @@ class NodeAgent:
         self._process: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._mounts: list[tuple[Path, str]] = []  # weight mounts: link -> the cache's directory
-        self._cache_mounts: CacheMounts | None = None
+        self._cache_mounts: TrainingCacheMounts | None = None
         self._holds_weights = False  # asked this node's cache for a set: release it at the end
         # What the job's commands run with (environment with secrets, directory, masker), for
         # `orchestrator shell`: set when they start, on this node only.
@@ -171,7 +166,7 @@ class NodeAgent:
             self._checkpoint_dir = Path(checkpoint_dir)
         # Before any command runs: what a reused checkpoint_path already holds is not this job's.
         # Taken once per job on a node: a rank prepared again (its agent was lost) keeps it.
-        from orchestrator.agents.checkpoint_rules import (
+        from orchestrator.node.checkpoint_rules import (
             read_earlier_checkpoints,
             write_earlier_checkpoints,
         )
@@ -199,8 +194,8 @@ class NodeAgent:
         """Seed this node's copies of the caches, then link them where the job looks."""
         import ray
 
-        from orchestrator.agents.cache_mounts import mount_caches
-        from orchestrator.agents.cache_seeder import cache_seeder_here
+        from orchestrator.agents.training_cache_seeder import cache_seeder_here
+        from orchestrator.node.training_cache_mounts import mount_caches
 
         seeder = cache_seeder_here()
         seeded = ray.get(seeder.seed.remote(self.storage.url, request.team, request.project))
@@ -221,13 +216,13 @@ class NodeAgent:
         """Get the set from this node's cache and show it at `mount_location` (a link, no copy)."""
         import ray
 
-        from orchestrator.agents.mounts import place_link
-        from orchestrator.agents.node_cache import node_cache_here
+        from orchestrator.agents.weight_cache import weight_cache_here
+        from orchestrator.node.mounts import place_link
 
         started = time.monotonic()
         self._holds_weights = True
         delivered = ray.get(
-            node_cache_here().deliver.remote(
+            weight_cache_here().deliver.remote(
                 self.storage.url, placement.weight_set, self.actor_name
             )
         )
@@ -330,12 +325,12 @@ class NodeAgent:
         )  # fmt: skip
 
     def _start_sampling(self, request: MetricsRequest) -> None:
-        """Sample this rank's resources until its commands end (agents/node_metrics.py)."""
+        """Sample this rank's resources until its commands end (node/node_metrics.py)."""
         if request.interval_s <= 0:
             return
         import ray
 
-        from orchestrator.agents.node_metrics import Gauges, MetricsSampler, no_wait_root
+        from orchestrator.node.node_metrics import Gauges, MetricsSampler, no_wait_root
         from orchestrator.storage.metrics import RankMetrics, read_rank_metrics
 
         if self._metrics is None:  # a replacement agent goes on with what the lost one stored
@@ -506,15 +501,15 @@ class NodeAgent:
         """Remove this job's mount links (not a later job's) and let the cache evict its sets."""
         if not self._holds_weights:
             return
-        from orchestrator.agents.mounts import remove_links
-        from orchestrator.agents.node_cache import node_cache_here
+        from orchestrator.agents.weight_cache import weight_cache_here
+        from orchestrator.node.mounts import remove_links
 
         remove_links(self._mounts, (self.actor_name, self.job_id), actor_alive)
         self._mounts.clear()
         # Not waited for: the agent is about to go, and a set it held is freed either way once
         # the cache sees it gone.
         with contextlib.suppress(Exception):
-            node_cache_here().release.remote(self.actor_name)
+            weight_cache_here().release.remote(self.actor_name)
         self._holds_weights = False
 
     def _tag(self, line: str, progress: bool = False) -> str:
@@ -539,7 +534,7 @@ def _guarded() -> list[str]:
 
 def _pump(proc: subprocess.Popen[bytes], chunks: queue.Queue[bytes | None]) -> None:
     """The command's output as it comes, not line by line: a progress bar or a prompt without a
-    newline is read at once (agents/output_splitter.py decides what to forward)."""
+    newline is read at once (node/output_splitter.py decides what to forward)."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     while data := os.read(fd, READ_BYTES):

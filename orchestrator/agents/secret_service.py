@@ -10,12 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from orchestrator.agents.services import NAMESPACE, shared_actor
-from orchestrator.errors import OrchestratorError
-from orchestrator.storage.secret_store import FileSecretStore, SecretStoreError, store_description
+from orchestrator import actor_names
+from orchestrator.agents.services import shared_actor
+from orchestrator.storage.secret_store import FileSecretStore
 
-SECRET_SERVICE_NAME = "orchestrator-secret-store"
-_LOOKUP_TIMEOUT_S = 60  # a file read; anything near this means the head node is in trouble
+SECRET_SERVICE_NAME = actor_names.SECRET_STORE
 
 
 class SecretStoreActor:
@@ -48,49 +47,3 @@ def start_secret_service(directory: str | None = None) -> Any:
         max_concurrency=8,
         args=(directory,),
     )
-
-
-class ClusterSecretStore:
-    """The `SecretSource` that asks the head node's store through `SecretStoreActor`.
-
-    Without Ray, or with no actor running, it has nothing (`available` says which).
-    """
-
-    def __init__(self) -> None:
-        self._actor = _find_actor()
-
-    @property
-    def available(self) -> bool:
-        return self._actor is not None
-
-    def get(self, name: str, team: str | None = None) -> str | None:
-        if self._actor is None:
-            return None
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-        try:
-            return ray.get(self._actor.get.remote(name, team), timeout=_LOOKUP_TIMEOUT_S)
-        except RayTaskError as e:
-            if isinstance(e.cause, OrchestratorError):
-                raise SecretStoreError(f"the secret store on the head node: {e.cause}") from None
-            raise
-        except (RayActorError, GetTimeoutError) as e:
-            raise SecretStoreError(
-                f"the secret store on the head node did not answer when asked for {name!r} "
-                f"({type(e).__name__}); retry the job, and check the head node if it persists"
-            ) from None
-
-    def describe(self, name: str, team: str | None = None) -> str:
-        return store_description(name, team)
-
-
-def _find_actor() -> Any:
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    try:
-        return ray.get_actor(SECRET_SERVICE_NAME, namespace=NAMESPACE)
-    except ValueError:
-        return None

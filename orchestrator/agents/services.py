@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-NAMESPACE = "orchestrator"
+from orchestrator import actor_names
+
+NAMESPACE = actor_names.NAMESPACE
 
 
 def this_node_id() -> str:

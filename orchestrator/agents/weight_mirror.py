@@ -23,14 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import actor_names
 from orchestrator.agents.messages import MirrorDone, MirrorFailed, MirrorProgress
-from orchestrator.agents.secrets import (
+from orchestrator.node.secrets import (
     SecretMasker,
     SecretNotFound,
     SecretStoreError,
     resolve_secret,
 )
-from orchestrator.agents.weight_sources import Source, SourceError, first_line, open_source
+from orchestrator.node.weight_sources import Source, SourceError, first_line, open_source
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.root import StorageRoot
@@ -45,7 +46,7 @@ from orchestrator.storage.weights import (
     set_key,
 )
 
-MIRROR_NAME = "orchestrator-weight-mirror"
+MIRROR_NAME = actor_names.WEIGHT_MIRROR
 PROGRESS_EVERY_S = 1.0
 
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from orchestrator.cli.options import SortOrder, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json, when
-from orchestrator.client.cache import cache_summary, delete_cache, project_team
+from orchestrator.client.training_cache import cache_summary, delete_cache, project_team
 
 cache_app = typer.Typer(help="Inspect and empty a project's training cache.", no_args_is_help=True)
 

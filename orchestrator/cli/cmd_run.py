@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from orchestrator import actor_names, ray_private
 from orchestrator.cli.options import RETRIES, RETRY_ON_FAILURE, StorageRootOption
 from orchestrator.client.connection import storage
 from orchestrator.client.prepare import prepare_job
@@ -59,6 +60,6 @@ def _dashboard_url() -> str | None:
     """The cluster's Job API address, so `stop` can reach this job later."""
     import ray
 
-    ray.init(address="auto", namespace="orchestrator", log_to_driver=False)
-    url = ray._private.worker.global_worker.node.address_info.get("webui_url")
+    ray.init(address="auto", namespace=actor_names.NAMESPACE, log_to_driver=False)
+    url = ray_private.dashboard_address()
     return f"http://{url}" if url and "://" not in url else url

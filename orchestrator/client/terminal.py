@@ -1,6 +1,6 @@
 """`orchestrator shell --job-id ID`: this terminal, attached to a shell in a running job's rank.
 
-The shell runs on the rank's node on a real PTY (agents/terminal.py). This side connects with
+The shell runs on the rank's node on a real PTY (node/terminal.py). This side connects with
 Ray Client (`ray://HEAD:10001`, Ray's own way for a laptop to reach a cluster: no SSH keys, no
 open ports on the nodes), puts the local terminal in raw mode, and relays: keystrokes in order,
 one write in flight at a time; output by long-polling; window size changes as they happen.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.agents.node_root import RankDirs
+from orchestrator.node.node_root import RankDirs
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.records import JobRecord, NodeInfo

@@ -21,7 +21,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import settings
+from orchestrator import actor_names, ray_private, settings
 from orchestrator.agents.messages import (
     CacheWrittenBack,
     CommandsEnded,
@@ -41,14 +41,14 @@ from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.controller.checkpointing import RankEnding, Uploaders
 from orchestrator.controller.failure_policy import Fault, FaultKind
-from orchestrator.controller.placement import (
+from orchestrator.controller.training_cache import affinity_selector
+from orchestrator.lifecycle import JobState
+from orchestrator.spec.placement import (
     bundles_for,
     describe_shortfall,
     never_fits,
     strategy_for,
 )
-from orchestrator.controller.training_cache import affinity_selector
-from orchestrator.lifecycle import JobState
 from orchestrator.storage.records import Failure, JobRecord
 
 POLL_S = 0.2
@@ -211,7 +211,7 @@ class RayNodeGroup:
         compute = self.record.spec.job.compute
         bundles = bundles_for(compute)
         strategy = strategy_for(compute, colocate=self.record.colocate_ranks)
-        name = f"orchestrator-{self.record.job_id}"
+        name = actor_names.placement_group(self.record.job_id)
         nodes = ray.nodes()
         spread = strategy == "STRICT_SPREAD"
         if not settings.CLUSTER_AUTOSCALES.get() and never_fits(
@@ -312,7 +312,7 @@ class RayNodeGroup:
         rendezvous = (
             ray.remote(Rendezvous)
             .options(
-                name=f"orchestrator-{self.record.job_id}-rendezvous-{self.attempt}",
+                name=actor_names.rendezvous(self.record.job_id, self.attempt),
                 namespace=NAMESPACE,
                 num_cpus=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -401,7 +401,7 @@ class RayNodeGroup:
 
     def draining(self) -> dict[int, float]:
         try:
-            drains = ray._private.state.state.get_draining_nodes()  # node id -> deadline (ms)
+            drains = ray_private.draining_nodes()  # node id -> deadline (ms)
         except Exception:
             return {}
         found = {
@@ -527,7 +527,9 @@ class RayNodeGroup:
     def write_back_cache(
         self, leader_node_id: str, wait_s: float | None
     ) -> CacheWrittenBack | None:
-        from orchestrator.agents.cache_seeder import cache_seeder_name  # jobs with a cache only
+        from orchestrator.agents.training_cache_seeder import (
+            cache_seeder_name,  # jobs with a cache only
+        )
 
         seeder = ray.get_actor(cache_seeder_name(leader_node_id), namespace=NAMESPACE)
         pending = seeder.write_back.remote(

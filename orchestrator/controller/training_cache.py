@@ -1,8 +1,8 @@
 """The controller's side of the training cache: where to place the job, and what moved.
 
-The seeding and write-back themselves happen on the nodes (`CacheSeeder`); this module decides
-which nodes the job would like (require_cache_affinity), builds each agent's request, and
-turns the agents' answers into the status and the log.
+The seeding and write-back themselves happen on the nodes (`TrainingCacheSeeder`); this module
+decides which nodes the job would like (require_cache_affinity), builds each agent's request,
+and turns the agents' answers into the status and the log.
 """
 
 from __future__ import annotations

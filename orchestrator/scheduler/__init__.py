@@ -1,3 +1,5 @@
 """The cluster's job queue: its policy (pure), its view of Ray, and its service actor."""
 
-QUEUE_SERVICE_NAME = "orchestrator-queue"  # the service actor, in the `orchestrator` namespace
+from orchestrator import actor_names
+
+QUEUE_SERVICE_NAME = actor_names.QUEUE_SERVICE

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from orchestrator.controller.placement import ACCELERATOR_RESOURCE_PREFIX, bundle_for
 from orchestrator.scheduler.policy import ClusterSnapshot, Demand, Node, QueuedJob, RunningJob
 from orchestrator.scheduler.resources import GPU_PREFIX, Resources
+from orchestrator.spec.placement import ACCELERATOR_RESOURCE_PREFIX, bundle_for
 from orchestrator.spec.training import Compute
 from orchestrator.storage.queue_store import QueueEntry, Quotas
 

@@ -6,12 +6,9 @@ Pure arithmetic on `{node id: Resources}` maps, shared by the policy's rules.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
+from orchestrator.scheduler.model import Demand, Node, RunningJob
 from orchestrator.scheduler.resources import GPU_PREFIX, Resources
-
-if TYPE_CHECKING:
-    from orchestrator.scheduler.policy import Demand, Node, RunningJob
 
 
 def needs(demand: Demand) -> tuple[Resources, int]:

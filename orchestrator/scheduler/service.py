@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+from orchestrator import ray_private
 from orchestrator.scheduler import QUEUE_SERVICE_NAME
 from orchestrator.scheduler.cluster_view import nodes_from_ray
 from orchestrator.scheduler.policy import (
@@ -35,12 +36,10 @@ class RayCluster:
     def nodes(self) -> list[Node]:
         import ray
 
-        return nodes_from_ray(ray.nodes(), ray._private.state.available_resources_per_node())
+        return nodes_from_ray(ray.nodes(), ray_private.available_resources_per_node())
 
     def live_drivers(self) -> set[str]:
-        import ray
-
-        return {j["JobID"] for j in ray._private.state.jobs() if not j.get("IsDead")}
+        return {j["JobID"] for j in ray_private.driver_jobs() if not j.get("IsDead")}
 
 
 class QueueService:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.agents.secrets import resolve_secret
-from orchestrator.agents.weight_sources import open_source
 from orchestrator.errors import OrchestratorError
+from orchestrator.node.secrets import resolve_secret
+from orchestrator.node.weight_sources import open_source
 from orchestrator.serving.served_model import BaseModelSource, ServedModel, StoredCheckpoint
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.checkpoints import CheckpointStore

@@ -2,7 +2,7 @@
 
 The controller's journal (storage/journal.py) writes them; anyone reads them. A line never
 holds a newline (a rank's output is cut into lines and progress states where it runs,
-agents/output_splitter.py), so segments split on `\n` alone: a stray form feed or other
+node/output_splitter.py), so segments split on `\n` alone: a stray form feed or other
 separator `str.splitlines` knows stays inside its line.
 """
 
@@ -19,7 +19,7 @@ _PROGRESS_TAG = re.compile(r"\[rank \d+ \d\d:\d\d:\d\d progress\] ")
 
 def rank_line(rank: int, clock: str, text: str, progress: bool = False) -> str:
     """A line a rank printed, as stored: tagged with the rank and the node's time; a progress
-    bar's latest state (a line still being rewritten, agents/output_splitter.py) marked so."""
+    bar's latest state (a line still being rewritten, node/output_splitter.py) marked so."""
     return f"[rank {rank} {clock}{' ' + PROGRESS if progress else ''}] {text}"
 
 

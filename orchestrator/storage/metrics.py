@@ -1,6 +1,6 @@
 """A job's resource samples, one file per rank beside its logs, readable after the cluster is gone.
 
-Each rank's node agent samples while the rank's commands run (agents/node_metrics.py) and
+Each rank's node agent samples while the rank's commands run (node/node_metrics.py) and
 rewrites `jobs/<job_id>/metrics/rank-<rank>.json` every few seconds. A long job's file stays
 bounded: past MAX_SAMPLES, every other sample of the older half is dropped, so the recent past
 keeps its full resolution and the distant past grows sparser.
@@ -48,7 +48,7 @@ class MetricsSample(Stored):
     processes: int
     gpus: list[GpuSample] = Field(default_factory=list)
     # Bytes on disk under each of DISK_DIRS that the rank has (as last measured: a large tree
-    # is walked less often, see agents/node_metrics.py).
+    # is walked less often, see node/node_metrics.py).
     disk_bytes: dict[str, int] = Field(default_factory=dict)
     disk_free_bytes: int | None = None  # the filesystem holding the job's directories
     disk_total_bytes: int | None = None

@@ -2,7 +2,7 @@
 
 Both are `SecretSource`s: something that answers `get(name, team)` and can say where it looked.
 A cloud secret manager (AWS Secrets Manager, GCP Secret Manager, Vault) is added the same way:
-a class with those two methods, listed in `orchestrator.agents.secrets.secret_sources()`.
+a class with those two methods, listed in `orchestrator.node.secrets.secret_sources()`.
 
 Layout of a `FileSecretStore` (directories 0700, files 0600, owned by the cluster's user):
 

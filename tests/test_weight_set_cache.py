@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.storage.set_cache import SetCache
+from orchestrator.storage.weight_set_cache import WeightSetCache
 
 
 def writer(files: dict[str, bytes]):
@@ -21,7 +21,7 @@ def writer(files: dict[str, bytes]):
 
 
 def test_a_put_set_is_found_again_and_read_only(tmp_path):
-    cache = SetCache(tmp_path / "c", budget_bytes=1000)
+    cache = WeightSetCache(tmp_path / "c", budget_bytes=1000)
     put = cache.put("k1", 3, writer({"a/b.bin": b"abc"}), holder="job-1")
     assert (put.path / "a" / "b.bin").read_bytes() == b"abc"
     assert cache.get("k1", holder="job-2") == put.path
@@ -32,7 +32,7 @@ def test_a_put_set_is_found_again_and_read_only(tmp_path):
 
 
 def test_least_recently_used_sets_are_evicted_to_fit_the_budget(tmp_path):
-    cache = SetCache(tmp_path / "c", budget_bytes=250)
+    cache = WeightSetCache(tmp_path / "c", budget_bytes=250)
     cache.put("old", 100, writer({"f": b"x" * 100}), holder="j1")
     cache.put("mid", 100, writer({"f": b"x" * 100}), holder="j2")
     cache.release("j1")
@@ -48,7 +48,7 @@ def test_least_recently_used_sets_are_evicted_to_fit_the_budget(tmp_path):
 
 
 def test_a_set_in_use_is_never_evicted_unless_its_holder_is_gone(tmp_path):
-    cache = SetCache(tmp_path / "c", budget_bytes=150)
+    cache = WeightSetCache(tmp_path / "c", budget_bytes=150)
     cache.put("busy", 100, writer({"f": b"x" * 100}), holder="running-job")
     put = cache.put("next", 100, writer({"f": b"x" * 100}), holder="other")
     assert put.evicted == [] and put.over_budget  # delivered anyway, over budget, said so
@@ -59,7 +59,7 @@ def test_a_set_in_use_is_never_evicted_unless_its_holder_is_gone(tmp_path):
 
 
 def test_a_failed_fill_leaves_nothing_behind(tmp_path):
-    cache = SetCache(tmp_path / "c", budget_bytes=1000)
+    cache = WeightSetCache(tmp_path / "c", budget_bytes=1000)
 
     def broken(dest: Path) -> None:
         dest.mkdir(parents=True)
@@ -74,7 +74,7 @@ def test_a_failed_fill_leaves_nothing_behind(tmp_path):
 
 def test_two_caches_sharing_a_directory_keep_one_copy(tmp_path):
     """Simulated nodes on one machine (or a restarted actor) share the directory safely."""
-    a, b = SetCache(tmp_path / "c", 1000), SetCache(tmp_path / "c", 1000)
+    a, b = WeightSetCache(tmp_path / "c", 1000), WeightSetCache(tmp_path / "c", 1000)
     barrier = threading.Barrier(2)
 
     def fill(dest: Path) -> None:
@@ -98,7 +98,7 @@ def test_two_caches_sharing_a_directory_keep_one_copy(tmp_path):
 
 def test_fills_running_at_once_reserve_their_room(tmp_path):
     """While one set is being filled its bytes count: a second fill cannot count on them."""
-    cache = SetCache(tmp_path / "c", budget_bytes=100)
+    cache = WeightSetCache(tmp_path / "c", budget_bytes=100)
     started, finish = threading.Event(), threading.Event()
 
     def slow(dest: Path) -> None:

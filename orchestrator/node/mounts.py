@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from orchestrator.agents.node_root import node_root
 from orchestrator.errors import OrchestratorError
+from orchestrator.node.node_root import node_root
 
 Alive = Callable[[str], bool]
 Holder = tuple[str, str]  # (the agent's actor name, its job id)

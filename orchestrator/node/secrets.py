@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import codecs
 import re
+from typing import Any
 
-from orchestrator.agents.secret_service import ClusterSecretStore
+from orchestrator import actor_names
 from orchestrator.errors import OrchestratorError
 from orchestrator.storage.secret_store import (
     SECRET_ENV_PREFIX,
@@ -17,6 +18,7 @@ from orchestrator.storage.secret_store import (
     SecretSource,
     SecretStoreError,
     secret_env_name,
+    store_description,
 )
 
 __all__ = [
@@ -108,3 +110,52 @@ def _overlap(text: str, piece: str) -> int:
         if text.endswith(piece[:k]):
             return k
     return 0
+
+
+_LOOKUP_TIMEOUT_S = 60  # a file read; anything near this means the head node is in trouble
+
+
+class ClusterSecretStore:
+    """The `SecretSource` that asks the head node's store through `SecretStoreActor`.
+
+    Without Ray, or with no actor running, it has nothing (`available` says which).
+    """
+
+    def __init__(self) -> None:
+        self._actor = _find_actor()
+
+    @property
+    def available(self) -> bool:
+        return self._actor is not None
+
+    def get(self, name: str, team: str | None = None) -> str | None:
+        if self._actor is None:
+            return None
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(self._actor.get.remote(name, team), timeout=_LOOKUP_TIMEOUT_S)
+        except RayTaskError as e:
+            if isinstance(e.cause, OrchestratorError):
+                raise SecretStoreError(f"the secret store on the head node: {e.cause}") from None
+            raise
+        except (RayActorError, GetTimeoutError) as e:
+            raise SecretStoreError(
+                f"the secret store on the head node did not answer when asked for {name!r} "
+                f"({type(e).__name__}); retry the job, and check the head node if it persists"
+            ) from None
+
+    def describe(self, name: str, team: str | None = None) -> str:
+        return store_description(name, team)
+
+
+def _find_actor() -> Any:
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        return ray.get_actor(actor_names.SECRET_STORE, namespace=actor_names.NAMESPACE)
+    except ValueError:
+        return None

@@ -15,12 +15,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from orchestrator import settings
+from orchestrator import actor_names, settings
 from orchestrator.agents.services import actor_alive, shared_actor, this_node_id
 from orchestrator.home import orchestrator_home
 from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.root import StorageRoot
-from orchestrator.storage.set_cache import SetCache
+from orchestrator.storage.weight_set_cache import WeightSetCache
 from orchestrator.storage.weights import WeightSet, copy_concurrency, file_path
 
 NODE_CACHE_DIR_ENV = settings.NODE_CACHE_DIR.name
@@ -30,16 +30,16 @@ CLUSTER_CACHE_GIB_ENV = settings.CLUSTER_CACHE_GIB.name
 GIB = 1024**3
 
 
-class NodeCache:
-    """A threaded Ray actor pinned to its node; its state lives on disk (see SetCache)."""
+class WeightCache:
+    """A threaded Ray actor pinned to its node; its state lives on disk (see WeightSetCache)."""
 
     def __init__(self) -> None:
         # Not in the node root (a temp dir by default): caches must outlive reboots and cleaners.
         directory = Path(settings.NODE_CACHE_DIR.get() or orchestrator_home() / "weights-cache")
-        self.node = SetCache(directory, _budget(directory, settings.NODE_CACHE_GIB))
+        self.node = WeightSetCache(directory, _budget(directory, settings.NODE_CACHE_GIB))
         shared = settings.CLUSTER_CACHE_DIR.get()
         self.cluster = (
-            SetCache(Path(shared), _budget(Path(shared), settings.CLUSTER_CACHE_GIB))
+            WeightSetCache(Path(shared), _budget(Path(shared), settings.CLUSTER_CACHE_GIB))
             if shared
             else None
         )
@@ -78,10 +78,10 @@ class NodeCache:
             self.cluster.release(holder)
 
 
-def node_cache_here() -> Any:
+def weight_cache_here() -> Any:
     """This node's cache actor, started on first use; it outlives jobs, as its disk does."""
-    name = f"orchestrator-node-cache-{this_node_id()[:16]}"
-    return shared_actor(NodeCache, name, pinned_here=True, max_concurrency=16)
+    name = actor_names.weight_cache(this_node_id())
+    return shared_actor(WeightCache, name, pinned_here=True, max_concurrency=16)
 
 
 def _delivered(path: Path, tier: str, copied: int, started: float) -> dict[str, Any]:
@@ -124,5 +124,5 @@ def _budget(directory: Path, env: settings.Setting[float | None]) -> int:
     space plus what the cache already holds (a restart must not shrink it)."""
     if (value := env.get()) is not None:
         return int(value * GIB)
-    held = SetCache(directory, 0).usage()["used_bytes"]
+    held = WeightSetCache(directory, 0).usage()["used_bytes"]
     return int((shutil.disk_usage(directory).free + held) * 0.8)

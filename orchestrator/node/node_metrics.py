@@ -4,7 +4,7 @@ Every `interval_s` a thread measures the job's processes (the command's process 
 per second and resident memory, through psutil), the GPUs the rank holds (NVML, where
 `nvidia-ml-py` and a driver are present; nothing, and no error, where not), bytes on disk under
 the rank's directories, the node's network traffic and the rank's checkpoint upload backlog.
-Each sample is set on Ray gauges (agents/metric_series.py), so Ray's metrics agent serves it to
+Each sample is set on Ray gauges (node/metric_series.py), so Ray's metrics agent serves it to
 Prometheus, and kept in the rank's series, which is written to the storage root every
 `FLUSH_S` and when the commands end (storage/metrics.py), so it outlives the cluster.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from orchestrator.agents import metric_series as series
+from orchestrator.node import metric_series as series
 from orchestrator.storage.metrics import (
     GpuSample,
     MetricsSample,

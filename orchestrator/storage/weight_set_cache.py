@@ -36,7 +36,7 @@ class Put:
     over_budget: bool  # the budget could not be met: every other set is in use
 
 
-class SetCache:
+class WeightSetCache:
     def __init__(self, directory: Path, budget_bytes: int) -> None:
         self.directory = directory
         self.budget_bytes = budget_bytes

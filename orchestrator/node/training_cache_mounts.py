@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.agents.mounts import Alive, Holder, MountError, place_link, remove_links
+from orchestrator.node.mounts import Alive, Holder, MountError, place_link, remove_links
 
 PROJECT_LINK, TEAM_LINK, HF_LINK = "user_artifacts", "team_artifacts", "huggingface"
 
 
 @dataclass
-class CacheMounts:
+class TrainingCacheMounts:
     env: dict[str, str]
     holder: Holder
     alive: Alive
@@ -36,7 +36,7 @@ def mount_caches(
     explicit: bool,
     holder: Holder,
     alive: Alive,
-) -> CacheMounts:
+) -> TrainingCacheMounts:
     """Link the project and team copies under `base` for `holder`; the job's cache variables.
 
     Two jobs on one node that set the same base share it only if they share the caches.
@@ -47,7 +47,7 @@ def mount_caches(
         hf_dir.mkdir(exist_ok=True)
         targets[HF_LINK] = str(hf_dir)
     field_name = "cache_config.mount_base_path" if explicit else "the cache directory"
-    mounts = CacheMounts(
+    mounts = TrainingCacheMounts(
         holder=holder,
         alive=alive,
         env={

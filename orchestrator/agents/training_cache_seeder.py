@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from orchestrator import settings
+from orchestrator import actor_names, settings
 from orchestrator.agents.messages import CacheCopy, CacheSeeded, CacheWrittenBack
 from orchestrator.agents.services import shared_actor, this_node_id
 from orchestrator.home import orchestrator_home
@@ -37,7 +37,7 @@ def copies_dir() -> Path:
     return Path(settings.TRAINING_CACHE_DIR.get() or home)
 
 
-class CacheSeeder:
+class TrainingCacheSeeder:
     """A threaded Ray actor pinned to its node; its state is on disk (LocalCopy)."""
 
     def __init__(self) -> None:
@@ -84,12 +84,11 @@ class CacheSeeder:
 def cache_seeder_here() -> Any:
     """This node's seeder actor, started on first use."""
     return shared_actor(
-        CacheSeeder, cache_seeder_name(this_node_id()), pinned_here=True, max_concurrency=8
+        TrainingCacheSeeder, cache_seeder_name(this_node_id()), pinned_here=True, max_concurrency=8
     )
 
 
-def cache_seeder_name(node_id: str) -> str:
-    return f"orchestrator-cache-seeder-{node_id[:16]}"
+cache_seeder_name = actor_names.training_cache_seeder
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import uuid
 
 import psutil
 
-from orchestrator.agents.secrets import SecretMasker, StreamMasker
+from orchestrator.node.secrets import SecretMasker, StreamMasker
 
 READ_CHUNK_BYTES = 64 * 1024
 READ_LIMIT_BYTES = 1 * 2**20  # per read call: a flood of output comes back in pieces

@@ -26,7 +26,7 @@ import codecs
 import re
 from dataclasses import dataclass
 
-from orchestrator.agents.secrets import SecretMasker
+from orchestrator.node.secrets import SecretMasker
 
 UPDATE_EVERY_S = 1.0  # progress states forwarded per rewritten line: at most one per second
 PARTIAL_AFTER_S = 1.0  # text without an ending is shown once it has waited this long
