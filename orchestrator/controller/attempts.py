@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from orchestrator import settings
 from orchestrator.agents.messages import MetricsRequest, StartRequest
@@ -27,14 +26,13 @@ from orchestrator.controller.failure_policy import (
     Fault,
     FaultKind,
 )
+from orchestrator.controller.job_run import JobRun
 from orchestrator.controller.node_group import NodeGroup, NodeGroupError, NodeLostError, RankRun
+from orchestrator.controller.run_port import RunPort
 from orchestrator.controller.weights import record_deliveries
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.records import Attempt, Failure, NodeInfo
-
-if TYPE_CHECKING:
-    from orchestrator.controller.controller import JobController
 
 POLL_S = 0.2
 DRAIN_POLL_S = 1.0  # how often the nodes are asked whether one is being preempted
@@ -54,13 +52,18 @@ class AttemptEnd:
 
 
 class Attempts:
-    """Runs the job's attempts for its controller, which owns the state and the journal."""
+    """Runs the job's attempts: the status through `job` (its JobRun), the nodes, the queue and
+    the job's end through `port` (the controller, or a fake of it)."""
 
-    def __init__(self, job: JobController) -> None:
+    def __init__(self, job: JobRun, port: RunPort) -> None:
         self.job = job
-        self.nodes: NodeGroup = job.nodes
+        self.port = port
         self.policy = FailurePolicy(job.record.retry)
         self.faults: list[Fault] = []
+
+    @property
+    def nodes(self) -> NodeGroup:
+        return self.port.nodes
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -71,11 +74,11 @@ class Attempts:
         while True:
             if end.fault is None and end.over_volume is None:
                 self._record_end(None, "completed")
-                self.job.complete()
+                self.port.complete()
                 return
             if end.fault is None:  # over the checkpoint volume: not a fault to retry
                 self._record_end(None, f"failed: {end.over_volume}")
-                self.job.fail(JobState.FAILED, Failure(cause=str(end.over_volume)))
+                self.port.fail(JobState.FAILED, Failure(cause=str(end.over_volume)))
                 return
             if end.fault.kind == FaultKind.PREEMPTED_BY_JOB:  # not a fault: no retry used
                 self._record_end(end.fault, "gave way: back in the queue, to resume later")
@@ -88,7 +91,7 @@ class Attempts:
             if decision.action == Action.END:  # the job's end stops and flushes everything
                 self._record_end(end.fault, f"ended: {decision.why}")
                 assert decision.state is not None
-                self.job.fail(decision.state, self._final_failure(end, decision))
+                self.port.fail(decision.state, self._final_failure(end, decision))
                 return
             self._record_end(end.fault, f"retried: {decision.why}")
             stopper = self._stop_attempt(end)
@@ -111,23 +114,23 @@ class Attempts:
 
     def _run_one(self, number: int, resumed: str | None) -> AttemptEnd:
         job = self.job
-        job._check_stop()
+        job.check_stop()
         requests = self._requests(number)
         attempt = Attempt(number=number, started_at=time.time(), resumed_from=resumed)
         attempts = [*job.status.attempts, attempt]
         commands = len(job.record.spec.job.runtime.start_commands)
         if number == 0:
-            job.move(JobState.RUNNING, f"running {commands} command(s)", attempts=attempts)
+            job.transition(JobState.RUNNING, f"running {commands} command(s)", attempts=attempts)
             job.running_since = time.time()
         else:
             job.say(f"==== attempt {number} (BT_RETRY_COUNT={number}) ====")
             how = f"from checkpoint {resumed}" if resumed else "from the start"
-            job.move(
+            job.transition(
                 JobState.RUNNING,
                 f"attempt {number}: running {commands} command(s) again, {how}",
                 attempts=attempts,
             )
-        self.nodes.start(requests, job._rank_lines)
+        self.nodes.start(requests, job.lines)
         return self._follow(self.nodes.runs)
 
     def _requests(self, number: int) -> list[StartRequest]:
@@ -161,7 +164,7 @@ class Attempts:
         uploaders = self.nodes.uploaders
         next_drain_check = 0.0
         while not all(r.done.is_set() for r in runs):
-            self.job._check_stop()
+            self.job.check_stop()
             if time.monotonic() >= next_drain_check:
                 next_drain_check = time.monotonic() + DRAIN_POLL_S
                 if drains := self.nodes.draining():
@@ -171,7 +174,7 @@ class Attempts:
                     why = f"rank {rank}'s node {node_id[:12]} is being preempted ({until} left)"
                     fault = Fault(FaultKind.PREEMPTED, why, rank, node_id)
                     return AttemptEnd(fault, Failure(cause=why, node_rank=rank), None, deadline)
-            if why := self.job.queue.preemption():
+            if why := self.port.preemption():
                 grace = settings.PREEMPTION_GRACE_S.get()
                 fault = Fault(FaultKind.PREEMPTED_BY_JOB, why)
                 return AttemptEnd(fault, Failure(cause=why), None, time.time() + grace)
@@ -179,7 +182,7 @@ class Attempts:
                 break
             if uploaders is not None:
                 events, over_volume = uploaders.poll()
-                self.job._say_lines(events)
+                self.job.lines(events)
                 if over_volume:
                     return AttemptEnd(over_volume=over_volume)
             time.sleep(POLL_S)
@@ -238,7 +241,7 @@ class Attempts:
         if end.fault is not None and end.fault.kind == FaultKind.AGENT_LOST:
             lost = set()
         endings = [run.ending(None) for run in runs]
-        self.job._say_lines(uploaders.end_attempt(endings, upload_s, lost))
+        self.job.lines(uploaders.end_attempt(endings, upload_s, lost))
 
     def _recover(
         self,
@@ -253,28 +256,24 @@ class Attempts:
         job = self.job
         ranks = self._to_replace(fault)
         what = f"rank(s) {', '.join(map(str, ranks))} placed again" if ranks else "a restart"
-        job.move(JobState.PENDING, f"{fault.reason}; {decision.why}: waiting for {what}")
+        job.transition(JobState.PENDING, f"{fault.reason}; {decision.why}: waiting for {what}")
         if decision.delay_s:
             job.say(f"retrying in {decision.delay_s:g} s")
             until = time.monotonic() + decision.delay_s
             while time.monotonic() < until:
-                job._check_stop()
+                job.check_stop()
                 time.sleep(POLL_S)
         if ranks:
             try:
-                self.nodes.replace(
-                    ranks,
-                    job.scheduling_timeout_s,
-                    lambda reason: job.move(JobState.PENDING, reason),
-                    job._check_stop,
-                )
+                self.port.replace(ranks)
             except NodeGroupError as e:
                 raise Unrecoverable(str(e)) from None
-            job._queue_call(job.queue.placed, self.nodes.placed_nodes())  # a rank moved
-            job.move(JobState.DEPLOYING, f"preparing rank(s) {', '.join(map(str, ranks))}")
+            job.transition(JobState.DEPLOYING, f"preparing rank(s) {', '.join(map(str, ranks))}")
             self._prepare_again(ranks, number)
         else:
-            job.move(JobState.DEPLOYING, f"restarting every rank's commands (attempt {number})")
+            job.transition(
+                JobState.DEPLOYING, f"restarting every rank's commands (attempt {number})"
+            )
         if unsettled is not None:
             self._store_attempt(*unsettled)
         uploaders = self.nodes.uploaders
@@ -286,31 +285,23 @@ class Attempts:
     def _restore(self, uploaders: Uploaders, number: int) -> str | None:
         """Every rank at the job's resume point before attempt `number`; its checkpoint."""
         try:
-            resumed = uploaders.begin_attempt(number, self.job._check_stop)
+            resumed = uploaders.begin_attempt(number, self.job.check_stop)
         except RestoreFailed as e:
             raise Unrecoverable(str(e)) from None
-        self.job._say_lines(uploaders.poll()[0])
+        self.job.lines(uploaders.poll()[0])
         return resumed
 
     def _back_in_line(self, fault: Fault, number: int) -> str | None:
         """After the queue preempted the job (its commands stopped, its checkpoints stored):
         give its nodes back, wait to be admitted again, place and prepare every rank anew and
         put each at the latest checkpoint. The checkpoint attempt `number` resumes from."""
-        job, old = self.job, self.nodes
-        earlier = old.uploaders.earlier() if old.uploaders is not None else {}
+        old = self.nodes.uploaders
+        earlier = old.earlier() if old is not None else {}
         unstored = any(e.state in ("pending", "failed") for e in earlier.values())
-        old.release(keep_checkpoints=unstored)  # what is not stored stays on its node
-        job.nodes = self.nodes = job.node_group(job.record, job.say)
-        job.move(JobState.PENDING, f"{fault.reason}; back in the queue")
-        # Not a call to go on without: an entry still admitted (and marked preempted) would be
-        # admitted again at once and preempted again, over and over.
-        job.queue.requeue()
-        job._admit()
-        job._reserve()
-        job._deploy()
+        self.port.requeue(fault.reason, keep_checkpoints=unstored)
         uploaders = self.nodes.uploaders
         if uploaders is None:
-            job.say(f"no checkpointing: attempt {number} starts from the beginning")
+            self.job.say(f"no checkpointing: attempt {number} starts from the beginning")
             return None
         uploaders.carry(earlier)
         return self._restore(uploaders, number)
@@ -324,9 +315,8 @@ class Attempts:
 
     def _prepare_again(self, ranks: list[int], number: int) -> None:
         job = self.job
-        assert job.prepare_request is not None
         try:
-            prepared = self.nodes.prepare(job.prepare_request, job._check_stop, ranks)
+            prepared = self.port.prepare(ranks)
         except NodeLostError as e:  # the replacement went too: a fault like any other
             which = ", ".join(map(str, ranks))
             why = f"rank(s) {which} lost again while being prepared ({e})"
@@ -339,13 +329,12 @@ class Attempts:
             job.say(f"rank {p.rank}: prepared on node {p.node_id[:12]} ({p.hostname})")
         weights = [w.model_copy(deep=True) for w in job.status.weights]
         record_deliveries(weights, prepared, job.say)
-        job.status = job.status.model_copy(update={"nodes": nodes, "weights": weights})
+        job.amend(nodes=nodes, weights=weights)
 
     # --- records ---------------------------------------------------------------------------
 
     def _append(self, attempt: Attempt) -> None:
-        job = self.job
-        job.status = job.status.model_copy(update={"attempts": [*job.status.attempts, attempt]})
+        self.job.amend(attempts=[*self.job.status.attempts, attempt])
 
     def _record_end(self, fault: Fault | None, decision: str) -> None:
         job = self.job
@@ -357,7 +346,7 @@ class Attempts:
             updates.update(cause=fault.kind.value, reason=fault.reason, rank=fault.rank,
                            node_id=fault.node_id)  # fmt: skip
         attempts[-1] = attempts[-1].model_copy(update=updates)
-        job.status = job.status.model_copy(update={"attempts": attempts})
+        job.amend(attempts=attempts)
 
     def _final_failure(self, end: AttemptEnd, decision: FailureDecision) -> Failure:
         assert end.fault is not None and end.failure is not None

@@ -1,0 +1,181 @@
+"""Putting a job on nodes: mirror its weights, wait in the cluster's queue, reserve a node group
+and prepare every node; for a retry, place and prepare lost ranks again.
+
+The first start and a start after the queue preempted the job take one path
+(`place_and_prepare`). A step that cannot be done fails the deploy with a cause that says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator import settings
+from orchestrator.agents.messages import PreparedNode, PrepareRequest, WeightPlacement
+from orchestrator.controller.checkpointing import CheckpointNotFound, resolve_checkpoints
+from orchestrator.controller.job_run import JobRun
+from orchestrator.controller.node_group import NodeGroup, NodeGroupError, short_error
+from orchestrator.controller.queueing import JobQueue, NeverFits, QueueTimeout, QueueUnavailable
+from orchestrator.controller.training_cache import (
+    cache_enabled,
+    cache_request,
+    seeding_lines,
+    seeding_status,
+)
+from orchestrator.controller.weights import WeightsUnavailable, mirror_weights, record_deliveries
+from orchestrator.lifecycle import JobState
+from orchestrator.storage.checkpoints import Manifest
+from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.records import Failure
+
+
+class DeployFailed(Exception):
+    """The job could not be put on nodes; `failure` says why."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.cause)
+        self.failure = failure
+
+
+class Deployment:
+    """Puts the job's run on a node group and keeps what a replaced rank is prepared with."""
+
+    def __init__(
+        self, run: JobRun, store: JobStore, queue: JobQueue, scheduling_timeout_s: float
+    ) -> None:
+        self.run = run
+        self.store = store
+        self.queue = queue
+        self.scheduling_timeout_s = scheduling_timeout_s
+        self.weight_sets: list[dict[str, Any]] = []  # mirrored sets, in the order of `weights`
+        self.prepare_request: PrepareRequest | None = None  # a replacement node's, too
+
+    def mirror_weights(self) -> None:
+        """While CREATED, before any compute is reserved: every source into the mirror."""
+        run = self.run
+        sources = run.record.spec.job.weights
+        if not sources:
+            return
+        run.say(f"mirroring {len(sources)} weights source(s) into the storage root")
+        try:
+            self.weight_sets = mirror_weights(
+                run.record.storage_root,
+                run.record.team,
+                sources,
+                run.say,
+                lambda statuses: run.amend(weights=statuses),
+                run.stop_requested.is_set,
+            )
+        except WeightsUnavailable as e:
+            raise DeployFailed(Failure(cause=str(e))) from None
+        run.check_stop()
+
+    def place_and_prepare(self, nodes: NodeGroup) -> None:
+        """Admitted by the queue, `nodes` reserved, every one prepared: the first start's path
+        and a requeued job's."""
+        self._admit()
+        self._reserve(nodes)
+        self._deploy(nodes)
+
+    def place_again(self, nodes: NodeGroup, ranks: list[int]) -> None:
+        """Lost `ranks` placed again (PENDING meanwhile); NodeGroupError if there is no room."""
+        nodes.replace(ranks, self.scheduling_timeout_s, self._pending, self.run.check_stop)
+        self.queue_call(self.queue.placed, nodes.placed_nodes())  # a rank moved
+
+    def prepare_again(self, nodes: NodeGroup, ranks: list[int]) -> list[PreparedNode]:
+        """Replaced `ranks` prepared with the first prepare's request."""
+        assert self.prepare_request is not None
+        return nodes.prepare(self.prepare_request, self.run.check_stop, ranks)
+
+    def queue_call(self, call: Callable[..., Any], *args: Any) -> None:
+        """A call the job goes on without: the queue service rebuilds from storage."""
+        try:
+            call(*args)
+        except Exception as e:
+            self.run.say(f"the queue service: {short_error(e)}")
+
+    def leave_queue(self) -> None:
+        self.queue_call(self.queue.release)
+
+    # --- the steps ---------------------------------------------------------------------------
+
+    def _pending(self, reason: str) -> None:
+        self.run.transition(JobState.PENDING, reason)
+
+    def _admit(self) -> None:
+        """Wait in the cluster's queue until the job may reserve its nodes."""
+        try:
+            borrowed = self.queue.wait_admitted(
+                self.run.record.queue_timeout_s, self._pending, self.run.check_stop
+            )
+        except NeverFits as e:
+            autoscales = settings.CLUSTER_AUTOSCALES.name
+            cause = (
+                f"cannot be placed on this cluster even when it is idle: {e}. If nodes join on "
+                f"demand (an autoscaler), set {autoscales}=1 in the head node's `ray start` "
+                "environment and such a job waits for them"
+            )
+            raise DeployFailed(Failure(cause=cause)) from None
+        except (QueueTimeout, QueueUnavailable) as e:
+            raise DeployFailed(Failure(cause=str(e))) from None
+        if borrowed:
+            self.run.say(
+                "admitted on idle capacity beyond team "
+                f"{self.run.record.team}'s quota: borrowed, so the first to be preempted when "
+                "its owners need it back"
+            )
+
+    def _reserve(self, nodes: NodeGroup) -> None:
+        try:
+            nodes.reserve(self.scheduling_timeout_s, self._pending, self.run.check_stop)
+        except NodeGroupError as e:
+            raise DeployFailed(Failure(cause=str(e))) from None
+        self.queue_call(self.queue.placed, nodes.placed_nodes())
+
+    def _deploy(self, nodes: NodeGroup) -> None:
+        run = self.run
+        run.check_stop()
+        compute = run.record.spec.job.compute
+        run.transition(JobState.DEPLOYING, f"preparing {compute.node_count} node(s)")
+        try:
+            loads = resolve_checkpoints(run.record, self.store)
+        except CheckpointNotFound as e:
+            raise DeployFailed(Failure(cause=str(e))) from None
+        if loads:
+            names = sorted({f"{m.job_id}/{m.name}" for m in loads})
+            run.say(f"loading checkpoint(s) {', '.join(names)} on every node")
+        nodes.create()
+        prepared = self._prepare(nodes, loads)
+        weights = [w.model_copy(update={"nodes": []}) for w in run.status.weights]
+        record_deliveries(weights, prepared, run.say)
+        updates: dict[str, Any] = {"nodes": [p.node_info() for p in prepared], "weights": weights}
+        if cache_enabled(run.record):
+            updates["cache"] = seeding_status(prepared, nodes.cache_affinity)
+            run.lines(seeding_lines(updates["cache"]))
+        run.amend(**updates)
+        if nodes.uploaders is not None:
+            nodes.uploaders.wait_ready()  # watching before any command runs
+
+    def _prepare(self, nodes: NodeGroup, loads: list[Manifest]) -> list[PreparedNode]:
+        record = self.run.record
+        job = record.spec.job
+        load_config = job.runtime.load_checkpoint_config
+        self.prepare_request = request = PrepareRequest(
+            archive_path=record.archive.path,
+            sha256=record.archive.sha256,
+            checkpoint_dir=job.runtime.checkpointing_config.checkpoint_path,
+            secret_names=tuple(
+                sorted({ref.name for ref in job.runtime.secret_references().values()})
+            ),
+            load=tuple(m.model_dump() for m in loads),
+            download_folder=load_config.download_folder if load_config else None,
+            weights=tuple(
+                WeightPlacement(ws, w.normalized_mount)
+                for ws, w in zip(self.weight_sets, job.weights, strict=True)
+            ),
+            cache=cache_request(record),
+        )
+        try:
+            return nodes.prepare(request, self.run.check_stop)
+        except NodeGroupError as e:
+            raise DeployFailed(Failure(cause=str(e))) from e
