@@ -25,13 +25,9 @@ from typing import Any
 
 from orchestrator import actor_names
 from orchestrator.agents.messages import MirrorDone, MirrorFailed, MirrorProgress
-from orchestrator.node.secrets import (
-    SecretMasker,
-    SecretNotFound,
-    SecretStoreError,
-    resolve_secret,
-)
-from orchestrator.node.weight_sources import Source, SourceError, first_line, open_source
+from orchestrator.errors import SecretNotFound, SecretStoreError, SourceError
+from orchestrator.node.secrets import SecretMasker, resolve_secret
+from orchestrator.node.weight_sources import Source, first_line, open_source
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.root import StorageRoot
@@ -210,8 +206,7 @@ def copy_set(
         files = parallel_map(one, chosen, copy_concurrency())
     except BaseException:
         # Nobody reads a set without its manifest; its files would only take up room.
-        with contextlib.suppress(Exception):
-            root.fs.rm(root.path(set_dir(key)), recursive=True)
+        root.discard(set_dir(key), recursive=True)
         raise
     finally:
         if staging is not None:

@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from orchestrator import settings
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import OrchestratorError, last_line
 
 RAY_CLIENT_ADDRESS_ENV = settings.RAY_CLIENT_ADDRESS.name
 RAY_CLIENT_PORT = 10001  # `ray start --head`'s default --ray-client-server-port
@@ -67,8 +67,9 @@ def attach(job: Any, rank: int, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
     try:
         ray.init(address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
     except Exception as e:
+        why = last_line(e) or type(e).__name__
         raise OrchestratorError(
-            f"could not reach the cluster's Ray Client at {address}: {_last_line(e)} (the shell "
+            f"could not reach the cluster's Ray Client at {address}: {why} (the shell "
             f"needs that port besides the dashboard's; set {RAY_CLIENT_ADDRESS_ENV} if it is "
             "elsewhere)"
         ) from None
@@ -87,7 +88,7 @@ def attach(job: Any, rank: int, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
             terminal_id = ray.get(agent.terminal_open.remote(rows, cols, term, lost_after_s))
         except Exception as e:
             raise OrchestratorError(
-                f"could not open a shell on rank {rank}: {_last_line(e)}"
+                f"could not open a shell on rank {rank}: {last_line(e) or type(e).__name__}"
             ) from None
         return _relay(ray, agent, terminal_id, stdin_fd, stdout_fd)
     finally:
@@ -107,7 +108,7 @@ def _relay(ray: Any, agent: Any, terminal_id: str, stdin_fd: int, stdout_fd: int
                     result["code"] = code
                     break
         except Exception as e:  # the node or the job went away
-            result["error"] = _last_line(e)
+            result["error"] = last_line(e) or type(e).__name__
         finally:
             ended.set()
 
@@ -133,7 +134,7 @@ def _relay(ray: Any, agent: Any, terminal_id: str, stdin_fd: int, stdout_fd: int
                     stdin_open, data = False, b"\x04"
                 ray.get(agent.terminal_write.remote(terminal_id, data))
     except Exception as e:
-        result.setdefault("error", _last_line(e))
+        result.setdefault("error", last_line(e) or type(e).__name__)
     finally:
         signal.signal(signal.SIGWINCH, previous)
         if not ended.is_set():
@@ -173,8 +174,3 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _last_line(e: BaseException) -> str:
-    lines = [line for line in str(e).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__

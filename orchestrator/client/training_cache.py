@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.client.connection import storage
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import OrchestratorError, ProjectNotFound
 from orchestrator.storage import layout
 from orchestrator.storage.job_store import JobStore
-from orchestrator.storage.projects import ProjectNotFound, ProjectStore
+from orchestrator.storage.projects import ProjectStore
 from orchestrator.storage.records import JobRecord
 from orchestrator.storage.training_cache import CacheStore
 

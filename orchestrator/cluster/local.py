@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import LocalClusterError
 from orchestrator.home import orchestrator_home
 
 LOOPBACK = "127.0.0.1"
@@ -41,10 +41,6 @@ _START_ATTEMPTS = 3  # a picked port can be taken before Ray binds it: retry wit
 _POLL_INTERVAL_S = 0.1
 # Our requests to the dashboard go straight to loopback, whatever HTTP(S)_PROXY says.
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-class LocalClusterError(OrchestratorError):
-    """The embedded local Ray cluster could not be started or stopped."""
 
 
 # What every cluster that runs orchestrator jobs should have in `ray start`'s environment (the

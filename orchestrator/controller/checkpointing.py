@@ -13,27 +13,18 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator.agents.checkpoint_uploader import CheckpointUploader
 from orchestrator.agents.node_agent import uploader_name
 from orchestrator.agents.services import NAMESPACE
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import CheckpointNotFound, JobNotFound, RestoreFailed
 from orchestrator.spec.checkpoints import (
     _BasetenLatestCheckpoint,
     _BasetenNamedCheckpoint,
     _LoopsCheckpoint,
 )
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
-from orchestrator.storage.job_store import JobNotFound, JobStore
+from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import CheckpointEntry, CheckpointSummary, JobRecord
 from orchestrator.storage.root import StorageRoot
 
 POLL_EVERY_S = 1.0
-
-
-class CheckpointNotFound(OrchestratorError):
-    pass
-
-
-class RestoreFailed(OrchestratorError):
-    """A rank could not be put at the resume point (a download that failed its checksum, a
-    storage root gone): the retry cannot resume from where the job was."""
 
 
 def resolve_checkpoints(record: JobRecord, store: JobStore) -> list[Manifest]:

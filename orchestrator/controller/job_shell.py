@@ -15,6 +15,7 @@ import ray
 
 from orchestrator.agents.node_agent import agent_name
 from orchestrator.agents.services import NAMESPACE
+from orchestrator.errors import last_line
 
 OUTPUT_MARKER = "----- orchestrator shell output -----"
 NOT_RUN_EXIT = 255  # the command never ran: why is on stderr
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             agent.exec_in_job.remote(args.command, args.timeout), timeout=args.timeout + 30
         )
     except Exception as e:
-        lines = str(e).strip().splitlines()
-        print(f"could not run it on rank {args.rank}: {lines[-1] if lines else e}",
+        print(f"could not run it on rank {args.rank}: {last_line(e)}",
               file=sys.stderr)  # fmt: skip
         return NOT_RUN_EXIT
     print(OUTPUT_MARKER, flush=True)

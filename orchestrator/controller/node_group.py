@@ -42,6 +42,7 @@ from orchestrator.agents.services import NAMESPACE
 from orchestrator.controller.checkpointing import RankEnding, Uploaders
 from orchestrator.controller.failure_policy import Fault, FaultKind
 from orchestrator.controller.training_cache import affinity_selector
+from orchestrator.errors import last_line
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.placement import (
     bundles_for,
@@ -577,5 +578,4 @@ def _raylet_answers(node: dict[str, Any]) -> bool:
 
 
 def short_error(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}"
+    return f"{type(e).__name__}: {last_line(e)}"

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from orchestrator import settings
+from orchestrator.errors import StorageUnavailable, last_line
 from orchestrator.scheduler.cluster_view import bundle_of
 from orchestrator.storage.queue_store import QueueEntry
 from orchestrator.storage.records import JobRecord
-from orchestrator.storage.retry import StorageUnavailable
 
 POLL_S = 0.25  # a queued job asks whether it is admitted this often
 PREEMPTION_POLL_S = 1.0  # a running job asks whether it must give way this often
@@ -158,7 +158,7 @@ class RayJobQueue:
                 return ray.get(call, timeout=CALL_TIMEOUT_S)
             except StorageUnavailable as e:  # the service gave up on our root quickly: we wait
                 if time.monotonic() > outage_until:  # as long as the job's own budget says
-                    why = str(e).strip().splitlines()[-1]  # through Ray: the remote traceback first
+                    why = last_line(e)  # through Ray: the remote traceback first
                     raise QueueUnavailable(f"the queue could not store its state: {why}") from None
                 time.sleep(STORAGE_RETRY_S)
             except (RayActorError, GetTimeoutError) as e:  # gone or stuck: started again

@@ -19,15 +19,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import MountError
 from orchestrator.node.node_root import node_root
 
 Alive = Callable[[str], bool]
 Holder = tuple[str, str]  # (the agent's actor name, its job id)
-
-
-class MountError(OrchestratorError):
-    """A mount cannot be made where the config asks on this node."""
 
 
 def place_link(link: Path, target: str, field: str, holder: Holder, alive: Alive) -> None:

@@ -11,12 +11,11 @@ import re
 from typing import Any
 
 from orchestrator import actor_names
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import OrchestratorError, SecretNotFound, SecretStoreError
 from orchestrator.storage.secret_store import (
     SECRET_ENV_PREFIX,
     EnvSecrets,
     SecretSource,
-    SecretStoreError,
     secret_env_name,
     store_description,
 )
@@ -30,10 +29,6 @@ __all__ = [
     "secret_env_name",
     "secret_sources",
 ]
-
-
-class SecretNotFound(OrchestratorError):
-    """No source has the secret; the message names it and every place that was asked."""
 
 
 def secret_sources() -> list[SecretSource]:

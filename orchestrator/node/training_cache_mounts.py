@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.node.mounts import Alive, Holder, MountError, place_link, remove_links
+from orchestrator.errors import MountError
+from orchestrator.node.mounts import Alive, Holder, place_link, remove_links
 
 PROJECT_LINK, TEAM_LINK, HF_LINK = "user_artifacts", "team_artifacts", "huggingface"
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from orchestrator import settings
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import SourceError
 from orchestrator.spec.weights import WeightsSource
 
 # Telemetry and progress bars would reach the internet and the job log.
@@ -34,10 +34,6 @@ CW_ENDPOINT_ENV = settings.CW_ENDPOINT_URL.name
 _HF_REPO = re.compile(
     r"^hf://(?:(?P<kind>datasets|spaces|models)/)?(?P<repo>[^@]+)(?:@(?P<rev>.+))?$"
 )
-
-
-class SourceError(OrchestratorError):
-    """A source that cannot be read as asked: missing, forbidden, or empty after the patterns."""
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import OrchestratorError, StagingError
 from orchestrator.node.secrets import resolve_secret
 from orchestrator.node.weight_sources import open_source
 from orchestrator.serving.served_model import BaseModelSource, ServedModel, StoredCheckpoint
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.checkpoints import CheckpointStore
 from orchestrator.storage.root import StorageRoot
-
-
-class StagingError(OrchestratorError):
-    """A checkpoint or base model could not be made local on the serving node."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ the previous one until the new manifest replaces it in one write.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -239,12 +238,10 @@ class CheckpointStore:
             self._remove_dir(manifest.files_dir)
             return
         for f in manifest.files:
-            with contextlib.suppress(Exception):
-                self.root.fs.rm_file(self.root.path(f"{manifest.files_dir}/{f.path}"))
+            self.root.discard(f"{manifest.files_dir}/{f.path}")
 
     def _remove_dir(self, rel: str) -> None:
-        with contextlib.suppress(Exception):  # an outage included: never hides what went wrong
-            self.root.fs.rm(self.root.path(rel), recursive=True)
+        self.root.discard(rel, recursive=True)  # tried once: never hides what went wrong
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -258,10 +255,9 @@ class CheckpointStore:
             )
         try:
             return [
-                (f, self.root.fs.sign(self.root.path(f"{manifest.files_dir}/{f.path}"),
-                                      expiration=expires_s))
+                (f, self.root.sign(f"{manifest.files_dir}/{f.path}", expires_s))
                 for f in manifest.files
-            ]  # fmt: skip
+            ]
         except NotImplementedError:
             raise UnsupportedFeatureError(
                 f"the storage root {self.root.url} cannot sign URLs (its filesystem, "

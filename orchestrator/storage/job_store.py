@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import JobNotFound, OrchestratorError
 from orchestrator.storage import layout
 from orchestrator.storage.records import JobRecord, JobStatus
 from orchestrator.storage.root import StorageRoot
-
-
-class JobNotFound(OrchestratorError):
-    pass
 
 
 class JobStore:

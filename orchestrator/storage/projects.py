@@ -12,16 +12,11 @@ from __future__ import annotations
 import secrets
 import time
 
-from orchestrator.errors import OrchestratorError
 from orchestrator.storage import layout
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.stored import Stored
 
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
-
-
-class ProjectNotFound(OrchestratorError):
-    """No project has this name or id."""
 
 
 class ProjectRecord(Stored):

@@ -108,7 +108,7 @@ class QueueStore:
 
     def remove(self, job_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.root.retry.call(self.root.fs.rm, self.root.path(_entry(job_id)))
+            self.root.remove(_entry(job_id))
 
     def entries(self) -> list[QueueEntry]:
         """Every entry, oldest push first."""
@@ -150,7 +150,7 @@ class QueueStore:
             except FileNotFoundError:
                 continue
             with contextlib.suppress(FileNotFoundError):
-                self.root.retry.call(self.root.fs.rm, self.root.path(rel))
+                self.root.remove(rel)
         return sorted(taken, key=lambda r: r.at)
 
     def write_view(self, view: QueueView) -> None:

@@ -23,7 +23,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator import settings
-from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.errors import ConfigError, StorageUnavailable, last_line
 
 T = TypeVar("T")
 
@@ -72,10 +72,6 @@ class StorageSettings(BaseModel):
                 for err in e.errors(include_url=False)
             ]
             raise ConfigError("Invalid storage settings:", problems) from None
-
-
-class StorageUnavailable(OrchestratorError):
-    """The storage root stayed unreachable past the outage budget (or a caller's deadline)."""
 
 
 @functools.cache
@@ -139,8 +135,7 @@ def is_transient(e: BaseException) -> bool:
 
 def describe(e: BaseException) -> str:
     """An error in one line: `EndpointConnectionError: Could not connect to ...`."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+    return f"{type(e).__name__}: {last_line(e)}".rstrip(": ")
 
 
 def _stderr(message: str) -> None:

@@ -6,6 +6,7 @@ Its calls ride out outages (storage/retry.py): a transient error is tried again 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -142,3 +143,19 @@ class StorageRoot:
     def get_file(self, rel: str, local: Path) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)
         self.retry.call(self.fs.get_file, self.path(rel), str(local))
+
+    def remove(self, rel: str, recursive: bool = False) -> None:
+        """Delete `rel` (a directory's tree with `recursive`); FileNotFoundError if absent."""
+        self.retry.call(self.fs.rm, self.path(rel), recursive=recursive)
+
+    def discard(self, rel: str, recursive: bool = False) -> None:
+        """Delete `rel` if it can be, tried once and never retried: for leftovers that are never
+        read (a replaced version's files, a failed upload's, a dead node's marker), whose callers
+        must not wait out an outage for them, least of all before raising the error that made
+        them. docs/architecture.md#storage-outages."""
+        with contextlib.suppress(Exception):
+            self.fs.rm(self.path(rel), recursive=recursive)
+
+    def sign(self, rel: str, expires_s: int) -> str:
+        """A time-limited URL for `rel` (NotImplementedError where the store cannot sign)."""
+        return self.retry.call(self.fs.sign, self.path(rel), expiration=expires_s)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from orchestrator import settings
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import SecretStoreError
 from orchestrator.home import orchestrator_home
 from orchestrator.spec.base import check_safe_name
 from orchestrator.spec.secrets import check_secret_name
@@ -33,10 +33,6 @@ SECRETS_DIR_ENV = settings.SECRETS_DIR.name
 SECRET_ENV_PREFIX = "ORCHESTRATOR_SECRET_"
 _DEFAULT_SCOPE = "default"
 _TEAMS = "teams"
-
-
-class SecretStoreError(OrchestratorError):
-    """The secret store cannot be used as asked (a bad name, unsafe permissions, ...)."""
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class CacheStore:
         before = self.manifest()
         self._write_manifest(CacheManifest(updated_at=time.time()))
         if self.root.exists(f"{self.base}/objects"):
-            self.root.fs.rm(self.root.path(f"{self.base}/objects"), recursive=True)
+            self.root.remove(f"{self.base}/objects", recursive=True)
         return before
 
     def seed(self, copy: LocalCopy) -> SyncReport:
@@ -161,7 +161,7 @@ class CacheStore:
             self._write_manifest(manifest)
             for version in superseded:
                 with contextlib.suppress(FileNotFoundError):
-                    self.root.fs.rm_file(self.root.path(self._object(version)))
+                    self.root.remove(self._object(version))
         for path in changed:  # as scanned: a file changed during its upload is sent again
             size, mtime_ns = present[path]
             synced[path] = {"size": size, "mtime_ns": mtime_ns, "version": versions[path]}
@@ -180,10 +180,8 @@ class CacheStore:
         stamped = []
         for name in self.root.list_names(f"{self.base}/nodes"):
             node_id = name.removesuffix(".json")
-            marker = self.root.path(f"{self.base}/nodes/{name}")
             if node_id not in alive:
-                with contextlib.suppress(Exception):
-                    self.root.fs.rm_file(marker)
+                self.root.discard(f"{self.base}/nodes/{name}")
                 continue
             with contextlib.suppress(Exception):
                 stamped.append((self.root.read_json(f"{self.base}/nodes/{name}")["at"], node_id))
