@@ -42,6 +42,14 @@ def wait_until(predicate, what: str, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
+def scanned(up: CheckpointUploader, scans: int = 3) -> None:
+    """Wait until `up` has finished `scans` more scans (at least two begun after this call):
+    what it has not uploaded by then it did not upload on sight. A wait on its own counter, not
+    on a clock, so a loaded machine cannot make an absence check pass too early."""
+    start = up.poll(0).scans
+    wait_until(lambda: up.poll(0).scans >= start + scans, f"{scans} more scans")
+
+
 def uploader(root: StorageRoot, local: Path, rank: int = 0, earlier=None, **settings):
     """Watching when returned, as the controller has it before the commands start."""
     local.mkdir(parents=True, exist_ok=True)
@@ -118,7 +126,7 @@ def test_flush_uploads_what_had_not_settled_once_its_writer_exited_cleanly(tmp_p
     up = uploader(root, local, settle_s=3600)
     (local / "checkpoint-9").mkdir()
     (local / "checkpoint-9" / "w.bin").write_bytes(b"nine")  # in place: only settling says done
-    time.sleep(0.5)  # several scans: it is seen, but far from settled
+    scanned(up)  # it is seen, but far from settled
     assert names(root) == []
     assert states(up.flush(timeout=30, clean=True)) == {"checkpoint-9": "uploaded"}
     (manifest,) = CheckpointStore(root).list("p", "j")
@@ -132,7 +140,7 @@ def test_a_checkpoint_cut_off_by_its_writers_death_is_stored_as_incomplete(root,
     wait_until(lambda: names(root) == ["checkpoint-1"], "the renamed checkpoint")
     (local / "checkpoint-2").mkdir()
     (local / "checkpoint-2" / "model.bin").write_bytes(b"1 of 2 files")
-    time.sleep(0.3)
+    scanned(up)
     result = up.flush(timeout=30, clean=False, how="rank 0's command exited with code 137")
     assert states(result) == {"checkpoint-1": "uploaded", "checkpoint-2": "incomplete"}
     why = reasons(result)["checkpoint-2"]
@@ -260,7 +268,7 @@ def test_an_earlier_jobs_leftovers_are_not_uploaded_as_this_jobs(tmp_path):
     write_checkpoint(local / "checkpoint-60", {"w.bin": b"last week too"})
     up = uploader(root, local, settle_s=0, earlier=earlier_checkpoints(local))
     (local / "checkpoint-1").mkdir()  # this job's, though it stays empty a while
-    time.sleep(0.5)
+    scanned(up)
     (local / "checkpoint-1" / "w.bin").write_bytes(b"mine")
     (local / "checkpoint-60" / "w.bin").write_bytes(b"overwritten by this job")
     result = up.flush(timeout=30, clean=True)
@@ -377,7 +385,7 @@ def test_an_empty_directory_is_never_a_checkpoint(tmp_path):
     local = tmp_path / "ckpts"
     up = uploader(root, local, settle_s=0)
     (local / "checkpoint-1").mkdir()
-    time.sleep(0.4)
+    scanned(up)
     result = up.flush(timeout=10, clean=True)
     assert states(result) == {"checkpoint-1": "ignored"}
     assert names(root) == []
@@ -409,7 +417,7 @@ def test_temporary_names_are_not_checkpoints_until_renamed(root, tmp_path):
     for name in ("tmp-checkpoint-5", "state.orbax-checkpoint-tmp-1732", "c7.partial-save"):
         (local / name).mkdir()
         (local / name / "w.bin").write_bytes(b"being written")
-    time.sleep(0.5)  # quiet for longer than settle_s: still not checkpoints
+    scanned(up)  # quiet for longer than settle_s (0): still not checkpoints
     assert names(root) == []
     os.rename(local / "tmp-checkpoint-5", local / "checkpoint-5")
     os.rename(local / "state.orbax-checkpoint-tmp-1732", local / "state")
@@ -433,7 +441,7 @@ def test_shards_without_metadata_wait_on_rank_0_only(tmp_path):
         return sorted(m.node_rank for m in CheckpointStore(root).list("p", "j"))
 
     wait_until(lambda: ranks() == [1], "rank 1's shards, settled")
-    time.sleep(0.6)
+    scanned(ups[0])  # rank 0's, written first, has been quiet for settle_s as long as rank 1's
     assert ranks() == [1], "rank 0 waits for .metadata"
     (tmp_path / "rank-0" / "step-1" / ".metadata").write_bytes(b"plan")
     wait_until(lambda: ranks() == [0, 1], "rank 0's checkpoint, with its .metadata")

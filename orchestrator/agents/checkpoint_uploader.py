@@ -129,6 +129,7 @@ class CheckpointUploader:
         self._started = threading.Event()  # watching: the baseline is known, renames are seen
         self._last_recheck = 0.0
         self._scans = 0
+        self._scans_done = 0  # scans finished (polled): `_scans` counts those begun
         self._sightings: dict[str, _Sighting] = {}  # this job's checkpoints listed now
         # name -> the scan in which a later one of its series was first listed while a file of
         # it was held open for writing: not whole when the later one started.
@@ -151,7 +152,9 @@ class CheckpointUploader:
         """Events after index `since`, and whether the directory is over its volume size."""
         if since > len(self.events):  # a restarted uploader starts a new list
             since = 0
-        return UploaderPoll(self.events[since:], len(self.events), self.over_volume)
+        return UploaderPoll(
+            self.events[since:], len(self.events), self.over_volume, self._scans_done
+        )
 
     def upload_stats(self) -> UploadStats:
         """The backlog now and what was uploaded: the node agent samples it beside the rank's
@@ -304,6 +307,7 @@ class CheckpointUploader:
                     self._consider(name, recheck, name in renamed, final)
                 except FileNotFoundError:
                     continue  # deleted while looked at: the next scan says so
+            self._scans_done += 1
 
     def _consider(self, name: str, recheck: bool, renamed: bool, final: bool) -> None:
         """Look at one checkpoint and upload it if it is complete and not stored as it is."""

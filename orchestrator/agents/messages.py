@@ -158,6 +158,7 @@ class UploaderPoll:
     events: list[str]
     next: int  # the cursor for the next poll
     over_volume: str | None = None  # the checkpoint directory is over volume_size_gib: why
+    scans: int = 0  # scans of the directory completed: what "nothing happened yet" waits on
 
 
 @dataclass(frozen=True)
