@@ -1,5 +1,5 @@
 """The queue service with two storage roots, without Ray (the cluster is a fake read through
-`ClusterReads`): one root's storage outage never stops the other root's admissions."""
+`ClusterReader`): one root's storage outage never stops the other root's admissions."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The queue service: one detached actor per cluster (`orchestrator-queue`, on the head) that
 keeps one queue per storage root (`RootQueue`, scheduler/root_queue.py) and reads the cluster
-from Ray.
+from Ray (`RayCluster`, scheduler/cluster_reader.py) unless handed another `ClusterReader`.
 
 Each root ticks on its own thread (requests, quotas, dead controllers, resources freed without a
 call) and has its own lock, and its storage calls give up after a short budget: one storage root
@@ -13,33 +13,15 @@ import threading
 import time
 from typing import Any
 
-from orchestrator import ray_private
 from orchestrator.scheduler import QUEUE_SERVICE_NAME
-from orchestrator.scheduler.cluster_view import nodes_from_ray
-from orchestrator.scheduler.policy import (
-    DEFAULT_HOLD_AFTER_S,
-    Node,
-    SchedulingPolicy,
-    WithinTeam,
-)
-from orchestrator.scheduler.root_queue import ClusterReads, RootQueue
+from orchestrator.scheduler.cluster_reader import ClusterReader, RayCluster
+from orchestrator.scheduler.policy import DEFAULT_HOLD_AFTER_S, SchedulingPolicy, WithinTeam
+from orchestrator.scheduler.root_queue import RootQueue
 
 TICK_S = 1.0
 IDLE_EXIT_S = 3600.0  # no root at all this long: the actor ends; the next job starts it again
 
 __all__ = ["QUEUE_SERVICE_NAME", "QueueService", "RayCluster", "start_queue_service"]
-
-
-class RayCluster:
-    """The cluster as Ray's GCS tells it, from inside the service actor."""
-
-    def nodes(self) -> list[Node]:
-        import ray
-
-        return nodes_from_ray(ray.nodes(), ray_private.available_resources_per_node())
-
-    def live_drivers(self) -> set[str]:
-        return {j["JobID"] for j in ray_private.driver_jobs() if not j.get("IsDead")}
 
 
 class QueueService:
@@ -48,7 +30,7 @@ class QueueService:
     def __init__(
         self, hold_after_s: float = DEFAULT_HOLD_AFTER_S, autoscaling: bool = False,
         tick_s: float = TICK_S, within_team: str = WithinTeam.NEVER.value,
-        cluster: ClusterReads | None = None,
+        cluster: ClusterReader | None = None,
     ) -> None:  # fmt: skip
         self.policy = SchedulingPolicy(hold_after_s, WithinTeam(within_team))
         self.autoscaling, self.tick_s = autoscaling, tick_s

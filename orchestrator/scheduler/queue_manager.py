@@ -1,0 +1,120 @@
+"""Which jobs of one root wait and which run (`QueueManager`): the changes controllers and
+clients ask for, the policy's decisions carried out on the entries, and each job's standing
+(`Admission`) as the last decision left it. It holds no lock and reads no cluster: `RootQueue`
+does both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.scheduler.model import Decision, Waiting
+from orchestrator.scheduler.queue_ledger import QueueLedger
+from orchestrator.storage.queue_store import QueueEntry, QueueStore, Quotas
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Where a job stands: `queued` (with its position and why), `admitted` (on which nodes,
+    borrowed or not; `preemption`, "preempted by <job>: why", once it is asked to leave),
+    `impossible`, or `unknown`."""
+
+    state: str
+    position: int | None = None
+    reason: str = ""
+    placed_on: tuple[str, ...] = ()
+    borrowed: bool = False
+    preemption: str | None = None
+
+
+class QueueManager:
+    """One root's queued and admitted jobs, its teams' quotas, and the last decision."""
+
+    def __init__(self, store: QueueStore) -> None:
+        self.store = store
+        self.ledger = QueueLedger(store)  # rebuilt after a restart
+        self.quotas: Quotas = store.quotas()
+        self.last: Decision = Decision()
+        self.waiting: dict[str, Waiting] = {}
+
+    def entries(self) -> list[QueueEntry]:
+        return self.ledger.all()
+
+    # -- what controllers and clients ask -----------------------------------------------------
+
+    def add(self, job: QueueEntry) -> bool:
+        """Queue a job; False when it is queued already (its standing is unchanged)."""
+        if job.job_id in self.ledger:
+            return False
+        self.ledger.put(job)
+        return True
+
+    def placed(self, job_id: str, nodes: list[str]) -> None:
+        entry = self.ledger.get(job_id)
+        if entry is not None and entry.placed_on != nodes:
+            self.ledger.update(entry, placed_on=list(nodes))
+
+    def release(self, job_id: str) -> bool:
+        """The job leaves the queue; whether it was in it."""
+        return self.ledger.remove(job_id)
+
+    def requeue(self, job_id: str) -> bool:
+        """An admitted job back in the queue, keeping its push time; whether it was admitted."""
+        entry = self.ledger.get(job_id)
+        if entry is None or entry.state != "admitted":
+            return False
+        self.ledger.update(
+            entry, state="queued", placed_on=[], borrowed=False, admitted_at=None,
+            preemption=None,  # preempted_by stays: it starts again after that job
+        )  # fmt: skip
+        return True
+
+    def reprioritise(self, job_id: str, priority: int) -> bool:
+        """Only a queued job's priority changes; whether it did."""
+        entry = self.ledger.get(job_id)
+        if entry is None or entry.state != "queued":
+            return False
+        self.ledger.update(entry, priority=priority)
+        return True
+
+    def take_requests(self) -> None:
+        """Clients' `update --priority` requests, written to the storage root."""
+        for request in self.store.take_requests():
+            self.reprioritise(request.job_id, request.priority)  # one that left: dropped
+
+    def reload_quotas(self) -> None:
+        """`capacity set` writes the quotas to the storage root: read at each tick."""
+        self.quotas = self.store.quotas()
+
+    # -- what the policy decided --------------------------------------------------------------
+
+    def carry_out(self, decision: Decision, now: float) -> None:
+        """Admissions, preemption requests and who borrows now, each stored before it counts."""
+        for i, admit in enumerate(decision.admit):  # apart by 1 us: they started in this order
+            self.ledger.update(
+                self.ledger[admit.job_id], state="admitted", placed_on=list(admit.placed_on),
+                borrowed=admit.borrowed, admitted_at=now + i * 1e-6, preempted_by=None,
+            )  # fmt: skip
+        for preempt in decision.preempt:
+            victim = self.ledger.get(preempt.victim)
+            if victim is not None and victim.preemption is None:
+                self.ledger.update(victim, preemption=preempt.reason,
+                                   preempted_by=preempt.for_job)  # fmt: skip
+        for entry in self.ledger.all():  # borrowed or not, as of now (rule 1)
+            borrowed = entry.job_id in decision.borrowed
+            if entry.state == "admitted" and entry.borrowed != borrowed:
+                self.ledger.update(entry, borrowed=borrowed)
+        self.last = decision
+        self.waiting = {w.job_id: w for w in decision.waiting}
+
+    def standing(self, job_id: str) -> Admission:
+        entry = self.ledger.get(job_id)
+        if entry is None:
+            return Admission("unknown")
+        if entry.state == "admitted":
+            return Admission("admitted", placed_on=tuple(entry.placed_on),
+                             borrowed=entry.borrowed, preemption=entry.preemption)  # fmt: skip
+        if job_id in self.last.impossible:
+            return Admission("impossible", reason=self.last.impossible[job_id])
+        if (waiting := self.waiting.get(job_id)) is not None:
+            return Admission("queued", waiting.position, waiting.reason)
+        return Admission("queued", reason="not yet considered")
