@@ -1,0 +1,62 @@
+"""`orchestrator shell` on a node: one command, or a terminal, run as the job's commands run.
+
+Both get the environment (secrets included), the directory and the masker the job's commands
+started with on this node, so what a user types sees what the training sees, and output never
+shows a secret's value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+
+from orchestrator.node.secrets import SecretMasker
+from orchestrator.node.terminal import Terminals
+
+SHELL_TIMEOUT_EXIT = 124  # as timeout(1)
+SHELL_OUTPUT_BYTES = 8 * 2**20  # the end of a longer output is kept
+
+
+class JobShellService:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._job: tuple[dict[str, str], str, SecretMasker] | None = None
+        self.terminals = Terminals()
+
+    def commands_started(self, env: dict[str, str], cwd: str, mask: SecretMasker) -> None:
+        """What the job's commands run with, from now on what every shell runs with."""
+        self._job = (env, cwd, mask)
+
+    def _started(self) -> tuple[dict[str, str], str, SecretMasker]:
+        if self._job is None:
+            raise RuntimeError(f"the job's commands have not started on rank {self.rank} yet")
+        return self._job
+
+    def exec(self, command: str, timeout_s: float) -> dict[str, object]:
+        """Run one shell command; its exit code (124 when it ran past `timeout_s`) and output,
+        secrets masked."""
+        env, cwd, mask = self._started()
+        process = subprocess.Popen(
+            ["/bin/sh", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, _ = process.communicate(timeout=timeout_s)
+            code = process.returncode
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            out, _ = process.communicate()
+            code = SHELL_TIMEOUT_EXIT
+        text = out[-SHELL_OUTPUT_BYTES:].decode(errors="replace")
+        return {"exit_code": code, "output": "".join(map(mask, text.splitlines(keepends=True)))}
+
+    def open_terminal(self, rows: int, cols: int, term: str, lost_after_s: float) -> str:
+        """Start a shell on a PTY; its terminal id."""
+        env, cwd, mask = self._started()
+        return self.terminals.open(
+            env=env, cwd=cwd, masker=mask, rows=rows, cols=cols, term=term,
+            lost_after_s=lost_after_s,
+        )  # fmt: skip
