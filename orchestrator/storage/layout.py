@@ -1,12 +1,7 @@
-"""Where things live under the storage root (kept in step with docs/architecture.md).
-
-archives/<sha256>.tar                 code archives, content-addressed (re-pushes upload nothing)
-jobs/<job_id>/record.json             JobRecord, written once at submission
-jobs/<job_id>/status.json             JobStatus, rewritten on every change
-jobs/<job_id>/logs/<seq>.log          log segments, tagged lines, in order
-jobs/<job_id>/metrics/rank-<r>.json   a rank's resource samples (storage/metrics.py)
-projects/names/<sha256 of name>.json  the id a name was given (created if absent: the commit)
-projects/<project_id>.json            ProjectRecord: a project's id and name (written after)
+"""Where things live under the storage root: `TREE` declares every path, whichever module writes
+it; this module builds the paths of jobs, archives and projects. docs/architecture.md's storage
+tree lists exactly TREE's paths (tests/test_docs_contract.py checks it, and that what the
+storage modules write matches TREE).
 """
 
 from __future__ import annotations
@@ -14,6 +9,45 @@ from __future__ import annotations
 import hashlib
 
 from orchestrator.spec.base import check_safe_name
+
+# (path, what it holds). `<...>` is one path segment, `<path>` any number; the module that
+# writes a path is named the first time its area appears.
+TREE: tuple[tuple[str, str], ...] = (
+    ("archives/<sha256>.tar", "code archives, content-addressed (a re-push uploads nothing)"),
+    ("jobs/<job_id>/record.json", "JobRecord: the job as submitted, written once"),
+    ("jobs/<job_id>/status.json", "JobStatus: state, history, failure, nodes; rewritten on change"),
+    ("jobs/<job_id>/logs/<seq>.log", "log segments (seq zero-padded to 8 digits), in order"),
+    ("jobs/<job_id>/metrics/rank-<rank>.json", "RankMetrics: a rank's resource samples"),
+    ("jobs/<job_id>/session.json", "what `orchestrator isession` asked of the job's session"),
+    ("projects/names/<name_sha256>.json", "the id a name was given, created if absent: the commit"),
+    ("projects/<project_id>.json", "ProjectRecord {id, name, created_at}, written after"),
+    (
+        "checkpoints/<project_id>/<job_id>/rank-<rank>/<name>/v<version>/<path>",
+        "a checkpoint version's files, uploaded first (storage/checkpoints.py)",
+    ),
+    (
+        "checkpoints/<project_id>/<job_id>/manifests/rank-<rank>/<name>.json",
+        "its manifest, written last: the commit",
+    ),
+    (
+        "caches/<team>/projects/<project_id>/manifest.json",
+        "a project's training cache: every file with its version (storage/training_cache.py)",
+    ),
+    ("caches/<team>/projects/<project_id>/objects/<version>", "one file's content at one version"),
+    ("caches/<team>/projects/<project_id>/nodes/<node_id>.json", "nodes holding a copy"),
+    ("caches/<team>/team/manifest.json", "the team's cache, laid out as a project's"),
+    ("caches/<team>/team/objects/<version>", "one file of the team's cache at one version"),
+    ("weights/<key>/files/<path>", "a mirrored weight set's files (storage/weights.py)"),
+    ("weights/<key>/manifest.json", "WeightSet: written last, the commit"),
+    ("queue/quotas.json", "each team's quota (storage/queue_store.py)"),
+    ("queue/entries/<job_id>.json", "QueueEntry: a job waiting or admitted"),
+    ("queue/requests/<job_id>.json", "PriorityRequest from `update --priority`"),
+    ("queue/view.json", "QueueView: the queue service's last decision"),
+    (
+        "serving/<model>/adapters/<adapter>/<path>",
+        "LoRA adapters published for vLLM (serving/vllm_app.py)",
+    ),
+)
 
 
 def archive(sha256: str) -> str:
