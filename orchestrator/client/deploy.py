@@ -3,7 +3,8 @@
 Deploying goes through the same HTTP API as `serve deploy` (PUT /api/serve/applications/), so
 it works from a laptop against a remote cluster, and the dashboard's Serve page shows the result.
 That API takes the whole set of applications: the ones already running are sent back unchanged
-beside the new one, and stopping one sends the rest.
+beside the new one, and stopping one sends the rest; each read and write-back is made under
+`serve_applications_lock` (client/serve_lock.py), so two deploys at once lose neither.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from orchestrator.client.api import get_job, latest_job
 from orchestrator.client.config_loader import load_deploy_config
 from orchestrator.client.connection import Connection, connect
 from orchestrator.client.jobs import JobHandle
+from orchestrator.client.serve_lock import serve_applications_lock
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.serving.plan import (
     TRANSFORMERS_IMPORT_PATH,
@@ -116,26 +118,27 @@ def deploy_plan(
         return _deployment(plan, serve_config([app], host, settings.SERVE_PORT.get()), "", None)
     connection = connect(address)
     client = _serve_client(connection)
-    details = _details(client)
-    running = _applications(details)
-    if plan.name in running and not replace:
-        raise DeployError(
-            f"a deployment named {plan.name!r} is already running: pick another model name "
-            "(--model-name), stop it (`orchestrator deployments stop "
-            f"{plan.name}`), or replace it (--replace)"
-        )
-    others = [a["deployed_app_config"] for n, a in running.items() if n != plan.name]
-    if any(c is None for c in others):
-        raise DeployError(
-            "Serve applications deployed with serve.run() are running on this cluster; Ray "
-            "Serve cannot deploy from a config beside them: shut them down first"
-        )
-    host, port = _http_options(details, connection)
-    config_sent = serve_config([*others, app], host, port)
-    try:
-        client.deploy_applications(config_sent)
-    except Exception as e:
-        raise DeployError(f"Ray Serve refused the deployment of {plan.name!r}: {e}") from e
+    with serve_applications_lock(connection.address):  # read, add ours, write back: one at a time
+        details = _details(client)
+        running = _applications(details)
+        if plan.name in running and not replace:
+            raise DeployError(
+                f"a deployment named {plan.name!r} is already running: pick another model name "
+                "(--model-name), stop it (`orchestrator deployments stop "
+                f"{plan.name}`), or replace it (--replace)"
+            )
+        others = [a["deployed_app_config"] for n, a in running.items() if n != plan.name]
+        if any(c is None for c in others):
+            raise DeployError(
+                "Serve applications deployed with serve.run() are running on this cluster; Ray "
+                "Serve cannot deploy from a config beside them: shut them down first"
+            )
+        host, port = _http_options(details, connection)
+        config_sent = serve_config([*others, app], host, port)
+        try:
+            client.deploy_applications(config_sent)
+        except Exception as e:
+            raise DeployError(f"Ray Serve refused the deployment of {plan.name!r}: {e}") from e
     url = _url(connection, port, plan.name)
     deployment = _deployment(plan, serve_config([app], host, port), url, connection)
     if wait:
@@ -267,17 +270,18 @@ def stop_deployment(
     controller, proxy or placement group is left behind."""
     connection = connection or connect(address)
     client = _serve_client(connection)
-    details = _details(client)
-    running = _applications(details)
-    config = (running.get(name) or {}).get("deployed_app_config") or {}
-    if config.get("import_path") not in _OURS:
-        raise DeployError(f"no deployment named {name!r} (see `orchestrator deployments list`)")
-    rest = [a["deployed_app_config"] for n, a in running.items() if n != name]
-    if not rest:
-        client.delete_applications()
-    else:
-        host, port = _http_options(details, connection)
-        client.deploy_applications(serve_config(rest, host, port))
+    with serve_applications_lock(connection.address):  # read, drop ours, write back
+        details = _details(client)
+        running = _applications(details)
+        config = (running.get(name) or {}).get("deployed_app_config") or {}
+        if config.get("import_path") not in _OURS:
+            raise DeployError(f"no deployment named {name!r} (see `orchestrator deployments list`)")
+        rest = [a["deployed_app_config"] for n, a in running.items() if n != name]
+        if not rest:
+            client.delete_applications()
+        else:
+            host, port = _http_options(details, connection)
+            client.deploy_applications(serve_config(rest, host, port))
     deadline = time.monotonic() + 120
     while name in _applications(_details(client)):
         if time.monotonic() > deadline:
