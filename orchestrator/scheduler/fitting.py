@@ -79,3 +79,55 @@ def never_fits(demand: Demand, nodes: Sequence[Node]) -> str:
 def _main_key(need: Resources) -> str:
     gpus = [k for k, v in need.amounts.items() if k.startswith(GPU_PREFIX) and v > 0]
     return gpus[0] if gpus else "CPU"
+
+
+class Room:
+    """Free resources on the nodes that could hold a job's bundles, and how many of them hold
+    one now: each release or return updates only the nodes of that job, in place."""
+
+    def __init__(
+        self, demand: Demand, base: Mapping[str, Resources], nodes: set[str],
+        fitting: set[str] | None = None,
+    ) -> None:  # fmt: skip
+        self.need, self.count = needs(demand)
+        self.base, self.nodes = base, nodes  # not copied: a room only reads them
+        self.changed: dict[str, dict[str, float]] = {}  # node -> its free resources now
+        if fitting is None:
+            fitting = {n for n in nodes if self.need.fits_in(base[n])}
+        self.fitting = set(fitting)
+
+    def release(self, job: RunningJob, back: bool = False) -> None:
+        """What `job` holds becomes free (or, `back`, is held again)."""
+        sign = -1.0 if back else 1.0
+        bundle = job.demand.bundle.amounts
+        for node in job.placed_on:
+            if node not in self.nodes:
+                continue
+            room = self.changed.get(node)
+            if room is None:
+                room = self.changed[node] = dict(self.base[node].amounts)
+            for key, amount in bundle.items():
+                room[key] = room.get(key, 0.0) + sign * amount
+            if holds(room, self.need.amounts):
+                self.fitting.add(node)
+            else:
+                self.fitting.discard(node)
+
+    def fits(self) -> bool:
+        return len(self.fitting) >= self.count
+
+
+def holds(room: Mapping[str, float], need: Mapping[str, float]) -> bool:
+    """`Resources.fits_in` on plain amounts."""
+    for key, amount in need.items():
+        if amount > 0 and amount > room.get(key, 0.0) + 1e-9:
+            return False
+    return True
+
+
+def node_kinds(nodes: Mapping[str, Resources]) -> list[tuple[Resources, list[str]]]:
+    """`nodes` grouped by equal resources: a cluster has few kinds of node."""
+    kinds: dict[frozenset, tuple[Resources, list[str]]] = {}
+    for node, room in nodes.items():
+        kinds.setdefault(frozenset(room.amounts.items()), (room, []))[1].append(node)
+    return list(kinds.values())

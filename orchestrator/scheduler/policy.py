@@ -33,11 +33,12 @@ out the `Decision`. The rules (docs/architecture.md#the-job-queue says them for 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from heapq import heapify, heappop, heappush, nsmallest
+from heapq import nsmallest
 
 from orchestrator.scheduler.fitting import (
     needs,
     never_fits,
+    node_kinds,
     place,
     released,
     shortfall,
@@ -55,7 +56,9 @@ from orchestrator.scheduler.model import (
     Waiting,
     WithinTeam,
 )
+from orchestrator.scheduler.preemption import minimal_victims, victim_order, why_preempted
 from orchestrator.scheduler.resources import Resources, describe, total
+from orchestrator.scheduler.shares import borrowed_jobs, order, usage_by_team
 
 __all__ = [
     "DEFAULT_HOLD_AFTER_S",
@@ -97,7 +100,7 @@ class _Cycle:
         self.snap, self.policy = snap, policy
         self.free = {n.node_id: n.free for n in snap.nodes}  # reserved nodes are taken out
         self.capacity = {n.node_id: n.capacity for n in snap.nodes}
-        self.usage = _usage(snap.running)
+        self.usage = usage_by_team(snap.running)
         self.running = [r for r in snap.running if not r.leaving]  # may still be preempted
         self.leaving_for: dict[str, list[RunningJob]] = {}
         for r in snap.running:
@@ -126,7 +129,7 @@ class _Cycle:
         self.held_nodes: set[str] = set()  # nodes of decision.held
         # Nodes alike (the same capacity; the same free resources) hold a bundle alike: each
         # question is asked once per kind of node, not once per node.
-        self.kinds = _kinds(self.capacity)
+        self.kinds = node_kinds(self.capacity)
         self.free_kinds: list[tuple[Resources, list[str]]] | None = None  # until free changes
 
     def run(self) -> Decision:
@@ -250,7 +253,7 @@ class _Cycle:
         if demand.key not in self.nodes_for:
             need, _ = needs(demand)
             if self.free_kinds is None:
-                self.free_kinds = _kinds(self.free)
+                self.free_kinds = node_kinds(self.free)
             fitting = {n for room, nodes in self.free_kinds if need.fits_in(room) for n in nodes}
             useful = {
                 n for capacity, nodes in self.kinds if need.fits_in(capacity)
@@ -343,7 +346,7 @@ class _Cycle:
         for v in victims:
             self.running.remove(v)
             self.candidates.clear()
-            why = f"preempted by {job.job_id}: {_why(v, job)}"
+            why = f"preempted by {job.job_id}: {why_preempted(v, job)}"
             self.decision.preempt.append(Preempt(v.job_id, job.job_id, why))
         self._hold(job, spot)
         return f"preempting {', '.join(v.job_id for v in victims)} to make room"
@@ -388,9 +391,9 @@ class _Cycle:
                     ok = mode is WithinTeam.ALWAYS or (mode is WithinTeam.RESUMABLE and r.resumable)
                     (allowed if ok else protected).append(r)
             self.candidates[key] = (
-                _victim_order(allowed),
-                _victim_order(protected),
-                _victim_order(allowed + protected),
+                victim_order(allowed),
+                victim_order(protected),
+                victim_order(allowed + protected),
             )
         return self.candidates[key]
 
@@ -398,41 +401,13 @@ class _Cycle:
         self, job: QueuedJob, base: Mapping[str, Resources], candidates: Sequence[RunningJob],
         leaving: Sequence[RunningJob],
     ) -> list[RunningJob] | None:  # fmt: skip
-        """A minimal set of `candidates` whose release lets `job` start: added in order until
-        it fits, then each one it fits without is dropped again (Kueue's minimal preemptions).
-        Another team's job counts only while its team, without the victims before it, is
-        still over its quota."""
         useful = self._useful(job.demand)
-        candidates = [c for c in candidates if not useful.isdisjoint(c.placed_on)]
-        if not candidates:
-            return None
-        if not self._within(job, [*candidates, *leaving]):
-            return None  # not even all of them would bring it within its quota
         fitting = None if leaving else self._fitting(job.demand) & useful
-        room = _Room(job.demand, base, useful, fitting)
-        everyone = _Room(job.demand, base, useful, room.fitting)
-        for c in candidates:
-            everyone.release(c)
-        if not everyone.fits():
-            return None  # not even all of them would free enough
-        chosen: list[RunningJob] = []
-        for c in candidates:
-            if c.team != job.team and not self._over_quota(c.team, chosen):
-                continue
-            chosen.append(c)
-            room.release(c)
-            if room.fits() and self._within(job, [*chosen, *leaving]):
-                break
-        else:
-            return None
-        for v in reversed(chosen[:-1]):
-            trial = [c for c in chosen if c is not v]
-            room.release(v, back=True)
-            if room.fits() and self._within(job, [*trial, *leaving]):
-                chosen = trial
-            else:
-                room.release(v)
-        return chosen
+        return minimal_victims(
+            job, base, candidates, leaving, useful, fitting,
+            within=lambda victims: self._within(job, victims),
+            over_quota=self._over_quota,
+        )  # fmt: skip
 
     def _hold(self, job: QueuedJob, spot: tuple[str, ...]) -> None:
         """What `job` will start on is taken from `free` now (below zero until its victims
@@ -490,154 +465,3 @@ class _Cycle:
             f"team {job.team} is at its quota of {describe({key: quota[key]})} "
             f"({used.get(key):g} in use) and the cluster has no idle capacity to lend: {room}"
         )
-
-
-class _Room:
-    """Free resources on the nodes that could hold a job's bundles, and how many of them hold
-    one now: each release or return updates only the nodes of that job, in place."""
-
-    def __init__(
-        self, demand: Demand, base: Mapping[str, Resources], nodes: set[str],
-        fitting: set[str] | None = None,
-    ) -> None:  # fmt: skip
-        self.need, self.count = needs(demand)
-        self.base, self.nodes = base, nodes  # not copied: a room only reads them
-        self.changed: dict[str, dict[str, float]] = {}  # node -> its free resources now
-        if fitting is None:
-            fitting = {n for n in nodes if self.need.fits_in(base[n])}
-        self.fitting = set(fitting)
-
-    def release(self, job: RunningJob, back: bool = False) -> None:
-        """What `job` holds becomes free (or, `back`, is held again)."""
-        sign = -1.0 if back else 1.0
-        bundle = job.demand.bundle.amounts
-        for node in job.placed_on:
-            if node not in self.nodes:
-                continue
-            room = self.changed.get(node)
-            if room is None:
-                room = self.changed[node] = dict(self.base[node].amounts)
-            for key, amount in bundle.items():
-                room[key] = room.get(key, 0.0) + sign * amount
-            if _holds(room, self.need.amounts):
-                self.fitting.add(node)
-            else:
-                self.fitting.discard(node)
-
-    def fits(self) -> bool:
-        return len(self.fitting) >= self.count
-
-
-def _holds(room: Mapping[str, float], need: Mapping[str, float]) -> bool:
-    """`Resources.fits_in` on plain amounts."""
-    for key, amount in need.items():
-        if amount > 0 and amount > room.get(key, 0.0) + 1e-9:
-            return False
-    return True
-
-
-def order(
-    queued: Sequence[QueuedJob],
-    usage: Mapping[str | None, Resources],
-    quotas: Mapping[str, Mapping[str, float]],
-    cluster: Resources,
-) -> list[QueuedJob]:
-    """Rule 2's interleaving: each team's jobs by priority then push, the next one from the
-    team furthest below its share."""
-    by_team: dict[str | None, list[QueuedJob]] = {}
-    for job in sorted(queued, key=lambda j: (-j.priority, j.pushed_at, j.job_id)):
-        by_team.setdefault(job.team, []).append(job)
-    # A team's use only grows as its jobs are ordered, so its dominant share is the larger of
-    # the share before and the new job's resources' shares: no full recount per job.
-    used = {team: dict(usage.get(team, _NOTHING).amounts) for team in by_team}
-    limits = {team: _limits(quotas.get(team or ""), cluster) for team in by_team}
-    heap = []
-    for rank, (team, jobs) in enumerate(by_team.items()):
-        head = jobs[0]
-        share = dominant_share(usage.get(team, _NOTHING), quotas.get(team or ""), cluster)
-        heap.append((share, -head.priority, head.pushed_at, rank, team, 0))
-    heapify(heap)
-    ordered: list[QueuedJob] = []
-    while heap:
-        share, _, _, rank, team, i = heappop(heap)
-        jobs, mine, limit = by_team[team], used[team], limits[team]
-        while True:  # this team's jobs, until another team's head goes first
-            job = jobs[i]
-            ordered.append(job)
-            i += 1
-            if i == len(jobs):
-                break
-            for key, amount in job.demand.total.amounts.items():
-                now = mine[key] = mine.get(key, 0.0) + amount
-                if amount > 0 and (most := limit.get(key)) and now / most > share:
-                    share = now / most
-            head = jobs[i]
-            entry = (share, -head.priority, head.pushed_at, rank, team, i)
-            if heap and heap[0] < entry:  # ranks differ: the comparison never reaches team
-                heappush(heap, entry)
-                break
-    return ordered
-
-
-def _limits(quota: Mapping[str, float] | None, cluster: Resources) -> dict[str, float]:
-    """What each resource's share is a fraction of: the quota's limit, else the cluster's."""
-    keys = set(cluster.amounts) | set(quota or ())
-    return {k: (quota or {}).get(k) or cluster.get(k) for k in keys}
-
-
-def dominant_share(used: Resources, quota: Mapping[str, float] | None, cluster: Resources) -> float:
-    """The largest fraction of its quota (or of the cluster, where it has none) a team uses."""
-    shares = [0.0]
-    for key, amount in used.amounts.items():
-        limit = (quota or {}).get(key) or cluster.get(key)
-        if amount > 0 and limit > 0:
-            shares.append(amount / limit)
-    return max(shares)
-
-
-def borrowed_jobs(
-    running: Sequence[RunningJob], quotas: Mapping[str, Mapping[str, float]]
-) -> set[str]:
-    """Rule 1: per team with a quota, its jobs by priority (highest first), then the order they
-    started, are its own while they fit the quota together; from the first that does not, they
-    borrow."""
-    by_team: dict[str | None, list[RunningJob]] = {}
-    for r in sorted(running, key=lambda r: (-r.priority, r.started_at, r.job_id)):
-        by_team.setdefault(r.team, []).append(r)
-    out: set[str] = set()
-    for team, jobs in by_team.items():
-        quota = quotas.get(team or "")
-        if not quota:
-            continue
-        used = Resources()
-        for i, r in enumerate(jobs):
-            used = used + r.demand.total
-            if any(used.get(k) > limit + 1e-9 for k, limit in quota.items()):
-                out.update(j.job_id for j in jobs[i:])
-                break
-    return out
-
-
-def _victim_order(jobs: list[RunningJob]) -> list[RunningJob]:
-    return sorted(jobs, key=lambda r: (r.priority, -r.started_at, r.job_id))
-
-
-def _why(victim: RunningJob, job: QueuedJob) -> str:
-    if victim.team != job.team:
-        return "borrowed capacity its team's quota needs"
-    return f"priority {victim.priority} is below its priority {job.priority}"
-
-
-def _kinds(nodes: Mapping[str, Resources]) -> list[tuple[Resources, list[str]]]:
-    """`nodes` grouped by equal resources: a cluster has few kinds of node."""
-    kinds: dict[frozenset, tuple[Resources, list[str]]] = {}
-    for node, room in nodes.items():
-        kinds.setdefault(frozenset(room.amounts.items()), (room, []))[1].append(node)
-    return list(kinds.values())
-
-
-def _usage(running: Sequence[RunningJob]) -> dict[str | None, Resources]:
-    usage: dict[str | None, Resources] = {}
-    for r in running:
-        usage[r.team] = usage.get(r.team, Resources()) + r.demand.total
-    return usage
