@@ -1,7 +1,7 @@
 """Which jobs of one root wait and which run (`QueueManager`): the changes controllers and
 clients ask for, the policy's decisions carried out on the entries, and each job's standing
-(`Admission`) as the last decision left it. It holds no lock and reads no cluster: `RootQueue`
-does both."""
+(`Admission`) as the last decision left it. No lock and no cluster here: `RootQueue` holds
+the lock, `SnapshotBuilder` reads the cluster."""
 
 from __future__ import annotations
 
