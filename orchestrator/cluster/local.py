@@ -10,37 +10,38 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shlex
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
 
+from orchestrator.cluster.processes import (
+    POLL_INTERVAL_S,
+    answers,
+    dashboard_answers,
+    has_a_node,
+    recorded_process,
+    terminate,
+)
+from orchestrator.cluster.ray_start import LOOPBACK, ray_start_command, temp_dir_for
 from orchestrator.errors import LocalClusterError
 from orchestrator.home import orchestrator_home
 
-LOOPBACK = "127.0.0.1"
+__all__ = ["CLUSTER_ENV", "LOOPBACK", "LocalCluster", "LocalClusterInfo", "embedded_env",
+           "ray_start_command"]  # fmt: skip
+
 
 _STATE_FILE = "cluster.json"
 _LOCK_FILE = "lock"
 _LOG_FILE = "ray-start.log"
 _START_ATTEMPTS = 3  # a picked port can be taken before Ray binds it: retry with fresh ones
-_POLL_INTERVAL_S = 0.1
-# Our requests to the dashboard go straight to loopback, whatever HTTP(S)_PROXY says.
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 # What every cluster that runs orchestrator jobs should have in `ray start`'s environment (the
@@ -135,14 +136,14 @@ class LocalCluster:
             state = self._read_state()
             if state is None:
                 return False
-            process = _recorded_process(state)
+            process = recorded_process(state)
             info = _info_from_state(state)
             if process is not None and info is not None:
                 _stop_jobs(info.dashboard_url, timeout)
             self.state_file.unlink(missing_ok=True)
             if process is None:
                 return False
-            _terminate(process, timeout, self._process)
+            terminate(process, timeout, self._process)
             self._process = None
             return True
 
@@ -155,8 +156,8 @@ class LocalCluster:
         info = _info_from_state(state)
         if (
             info is not None
-            and _recorded_process(state) is not None
-            and _dashboard_answers(info.dashboard_url)
+            and recorded_process(state) is not None
+            and dashboard_answers(info.dashboard_url)
         ):
             return info
         self.state_file.unlink(missing_ok=True)
@@ -188,7 +189,7 @@ class LocalCluster:
         resources: dict[str, float] | None,
         deadline: float,
     ) -> LocalClusterInfo:
-        temp_dir = _temp_dir_for(self.state_dir)
+        temp_dir = temp_dir_for(self.state_dir)
         command, gcs_port, dashboard_port, client_port = ray_start_command(
             temp_dir, num_cpus=num_cpus, num_gpus=num_gpus, resources=resources
         )
@@ -225,7 +226,7 @@ class LocalCluster:
             self._wait_until_ready(info, process, deadline)
         except BaseException:
             with contextlib.suppress(psutil.NoSuchProcess):
-                _terminate(psutil.Process(process.pid), 10, process)
+                terminate(psutil.Process(process.pid), 10, process)
             process.poll()
             self.state_file.unlink(missing_ok=True)
             self._process = None
@@ -239,9 +240,9 @@ class LocalCluster:
         # agent reporting in. Job submissions go through that agent, and a head stopped before
         # its raylet registers spends 30 s draining.
         for path, ready in (
-            ("/api/version", _answers),
-            ("/api/jobs/", _answers),
-            ("/nodes?view=summary", _has_a_node),
+            ("/api/version", answers),
+            ("/api/jobs/", answers),
+            ("/nodes?view=summary", has_a_node),
         ):
             while not ready(info.dashboard_url + path):
                 if process.poll() is not None:
@@ -258,7 +259,7 @@ class LocalCluster:
                         f"time; pass a longer timeout or see {self.log_file}. Log tail:\n"
                         f"{self._log_tail()}"
                     )
-                time.sleep(_POLL_INTERVAL_S)
+                time.sleep(POLL_INTERVAL_S)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -298,83 +299,6 @@ class _PortTakenError(Exception):
     """A port we picked was taken before Ray could bind it."""
 
 
-def ray_start_command(
-    temp_dir: str,
-    *,
-    num_cpus: int | None = None,
-    num_gpus: int | None = None,
-    resources: dict[str, float] | None = None,
-) -> tuple[list[str], int, int, int]:
-    """The `ray start` command line for a loopback-only head, with its GCS, dashboard and Ray
-    Client ports.
-
-    Every port Ray would otherwise take at a fixed default (6379, 8265, 10001, 52365) is picked
-    free, so the cluster coexists with any other Ray on this machine.
-    """
-    gcs, dashboard, client, agent_http, agent_grpc, runtime_env, metrics = _free_ports(7)
-    command = [
-        _ray_executable(),
-        "start",
-        "--head",
-        "--block",
-        f"--node-ip-address={LOOPBACK}",
-        f"--port={gcs}",
-        "--include-dashboard=true",
-        f"--dashboard-host={LOOPBACK}",
-        f"--dashboard-port={dashboard}",
-        f"--ray-client-server-port={client}",
-        f"--dashboard-agent-listen-port={agent_http}",
-        f"--dashboard-agent-grpc-port={agent_grpc}",
-        f"--runtime-env-agent-port={runtime_env}",
-        f"--metrics-export-port={metrics}",
-        f"--temp-dir={temp_dir}",
-        "--disable-usage-stats",
-    ]
-    if num_cpus is not None:
-        command.append(f"--num-cpus={num_cpus}")
-    if num_gpus is not None:
-        command.append(f"--num-gpus={num_gpus}")
-    if resources:
-        command.append(f"--resources={json.dumps(resources)}")
-    return command, gcs, dashboard, client
-
-
-def _ray_executable() -> str:
-    beside_python = Path(sys.executable).parent / "ray"
-    if beside_python.exists():
-        return str(beside_python)
-    found = shutil.which("ray")
-    if found is None:
-        raise LocalClusterError(
-            "cannot find the `ray` command: install orchestrator's dependencies "
-            "(`pip install 'ray[default]'`) in this environment"
-        )
-    return found
-
-
-def _free_ports(count: int) -> list[int]:
-    """Distinct ports free on loopback right now (all held open together, so no duplicates)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _temp_dir_for(state_dir: Path) -> str:
-    """Ray's temp dir for this state dir: our own, so we never touch /tmp/ray of other clusters.
-
-    Kept short because Ray puts unix sockets under it and their paths are limited to 107 bytes.
-    """
-    digest = hashlib.sha1(str(state_dir.resolve()).encode()).hexdigest()[:10]
-    return os.path.join(tempfile.gettempdir(), f"orch-ray-{os.getuid()}-{digest}")
-
-
 def _info_from_state(state: dict[str, object]) -> LocalClusterInfo | None:
     try:
         return LocalClusterInfo(
@@ -386,47 +310,6 @@ def _info_from_state(state: dict[str, object]) -> LocalClusterInfo | None:
         )
     except (KeyError, TypeError, ValueError):
         return None
-
-
-def _recorded_process(state: dict[str, object]) -> psutil.Process | None:
-    """The recorded `ray start` process if it still runs (and its pid was not reused)."""
-    try:
-        process = psutil.Process(int(state["pid"]))  # type: ignore[call-overload]
-        if process.status() == psutil.STATUS_ZOMBIE:
-            return None
-        create_time = state.get("create_time")
-        if isinstance(create_time, (int, float)) and abs(process.create_time() - create_time) > 1:
-            return None
-        return process
-    except (KeyError, TypeError, ValueError, psutil.Error):
-        return None
-
-
-def _get_json(url: str, timeout: float = 2) -> object | None:
-    """The decoded JSON body of a 2xx answer, or None if there was no such answer."""
-    try:
-        with _HTTP.open(url, timeout=timeout) as response:
-            if not 200 <= response.status < 300:
-                return None
-            return json.loads(response.read() or b"null")
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-
-
-def _answers(url: str) -> bool:
-    return _get_json(url) is not None
-
-
-def _has_a_node(url: str) -> bool:
-    body = _get_json(url)
-    try:
-        return bool(body["data"]["summary"])  # type: ignore[index]
-    except (KeyError, TypeError):
-        return False
-
-
-def _dashboard_answers(dashboard_url: str) -> bool:
-    return _answers(dashboard_url + "/api/version")
 
 
 def _stop_jobs(dashboard_url: str, timeout: float) -> None:
@@ -443,57 +326,6 @@ def _stop_jobs(dashboard_url: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while active and time.monotonic() < deadline:
             active = [j for j in active if not client.get_job_status(j).is_terminal()]
-            time.sleep(_POLL_INTERVAL_S)
+            time.sleep(POLL_INTERVAL_S)
     except Exception:  # an unhealthy cluster: stopping it is all that is left to do
         return
-
-
-def _terminate(
-    process: psutil.Process, timeout: float, handle: subprocess.Popen[bytes] | None
-) -> None:
-    """SIGTERM `ray start --block` (it tears its processes down); SIGKILL what is left after."""
-    try:
-        pgid = os.getpgid(process.pid)
-    except OSError:
-        pgid = None
-    members = _family(process, pgid)
-    with contextlib.suppress(psutil.Error):
-        process.terminate()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if handle is not None:
-            handle.poll()  # reap our own child so it does not linger as a zombie
-        if not _any_alive(members):
-            return
-        time.sleep(_POLL_INTERVAL_S)
-    if pgid is not None and pgid != os.getpgrp():
-        with contextlib.suppress(OSError):
-            os.killpg(pgid, signal.SIGKILL)
-    for member in members:
-        with contextlib.suppress(psutil.Error):
-            member.kill()
-    if handle is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            handle.wait(timeout=5)
-    psutil.wait_procs(members, timeout=5)
-
-
-def _family(process: psutil.Process, pgid: int | None) -> list[psutil.Process]:
-    """The process, its descendants, and the rest of its process group."""
-    family = {process.pid: process}
-    with contextlib.suppress(psutil.Error):
-        family.update((child.pid, child) for child in process.children(recursive=True))
-    if pgid is not None:
-        for candidate in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):
-                if candidate.pid not in family and os.getpgid(candidate.pid) == pgid:
-                    family[candidate.pid] = candidate
-    return list(family.values())
-
-
-def _any_alive(processes: list[psutil.Process]) -> bool:
-    for p in processes:
-        with contextlib.suppress(psutil.Error):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                return True
-    return False
