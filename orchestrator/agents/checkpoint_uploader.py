@@ -8,24 +8,19 @@ happens on delete and rewrite) are in docs/architecture.md#the-checkpoint-upload
 
 from __future__ import annotations
 
-import fnmatch
-import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchestrator.agents.messages import UploaderFlush, UploaderPoll
-from orchestrator.node.checkpoint_rules import (
-    TEMPORARY_PATTERNS,
-    EntryKind,
-    follows,
-    open_for_writing,
-    read_earlier_checkpoints,
-    top_level,
-    unfinished,
+from orchestrator.node.checkpoint_rules import EntryKind, read_earlier_checkpoints, top_level
+from orchestrator.node.checkpoint_tracking import (
+    RENAMED,
+    SETTLED,
+    CheckpointTracker,
+    Tracked,
 )
 from orchestrator.node.node_root import RankDirs
 from orchestrator.node.rename_watch import RenameWatch
@@ -35,9 +30,8 @@ from orchestrator.storage.checkpoints import (
     Manifest,
     UploadSettings,
 )
-from orchestrator.storage.local_checkpoint import Snapshot, snapshot
+from orchestrator.storage.local_checkpoint import snapshot
 from orchestrator.storage.metrics import UploadStats
-from orchestrator.storage.records import CheckpointEntry
 from orchestrator.storage.retry import StorageRetry, describe, is_transient
 from orchestrator.storage.root import StorageRoot
 
@@ -46,48 +40,11 @@ RECHECK_S = 2.0  # how often volume size, stored and earlier jobs' checkpoints a
 RETRY_S = 10.0  # a failed upload is tried again this long after, and by the final flush
 WARN_FRACTION = 0.9
 
-# Why a checkpoint is complete, as the log says it.
-RENAMED = "renamed into place"
-MARKED = "marked complete"
-SETTLED = "settled"
-WRITER_DONE = "its writer exited cleanly"
-
-_IGNORED_WHY = {
-    EntryKind.FILE: "a file at the top of $BT_CHECKPOINT_DIR: a checkpoint is a directory",
-    EntryKind.LINK: "a symbolic link at the top of $BT_CHECKPOINT_DIR is not followed",
-    EntryKind.TEMPORARY: "a writer's temporary directory, never renamed into place",
-}
-
-
-@dataclass
-class _Tracked:
-    """One checkpoint name, as this uploader knows it."""
-
-    seen: Snapshot | None = None
-    changed_at: float = 0.0  # monotonic: when `seen` last differed from the scan before
-    changed_wall: float = 0.0
-    changed_scan: int = 0  # the scan that first saw `seen`
-    ready: str | None = None  # why the content in `seen` is complete, once it is
-    ready_wall: float = 0.0
-    stored: Manifest | None = None  # the version in the storage root
-    looked_up: bool = False  # asked the storage root for a manifest (a restarted uploader)
-    failed: str | None = None
-    failed_at: float = 0.0
-    failed_said: str | None = None  # the kind of failure last said: each kind is said once
-    restored: str | None = None  # the fingerprint of the stored version restored here
-    gone: str | None = None  # deleted locally before it was stored: why it is not
-    said: set[str] = field(default_factory=set)
-
-
-@dataclass(frozen=True)
-class _Sighting:
-    """When one of this job's checkpoints was first listed: the latest it can have been made."""
-
-    scan: int
-    ctime_ns: int  # its directory's ctime then (by the file clock that dates what was written)
-
 
 class CheckpointUploader:
+    """The actor: a thread that scans the directory every SCAN_S and uploads what the tracker
+    (node/checkpoint_tracking.py) judges complete, and the calls the controller makes."""
+
     def __init__(
         self,
         project: str,
@@ -113,33 +70,25 @@ class CheckpointUploader:
         self.local_dir = Path(local_dir) if local_dir else dirs.checkpoints
         self.settings = UploadSettings.model_validate(settings)
         self.volume_bytes = volume_size_gib * 2**30 if volume_size_gib else None
-        self.earlier: dict[str, str] = dict(earlier or {})
-        self.tracked: dict[str, _Tracked] = {}
-        self.ignored: dict[str, EntryKind] = {}  # present now, not checkpoints
-        # Another rank's checkpoints restored here for a retried attempt: name -> (fingerprint,
-        # whose). Not this rank's to upload unless the job changes them.
-        self.restored: dict[str, tuple[str, str]] = {}
-        self._said_earlier: set[str] = set()
+        self.tracker = CheckpointTracker(rank, self.local_dir, self.settings, self._event)
+        self.tracker.earlier = dict(earlier or {})
         self._scan_error: str | None = None
         self.over_volume: str | None = None
         self._warned = False
-        # (clean, wall time, how) once the rank's commands have ended: nothing settles after.
-        self._writer_end: tuple[bool, float, str] | None = None
         self._renames: RenameWatch | None = None
         self._started = threading.Event()  # watching: the baseline is known, renames are seen
         self._last_recheck = 0.0
-        self._scans = 0
-        self._scans_done = 0  # scans finished (polled): `_scans` counts those begun
-        self._sightings: dict[str, _Sighting] = {}  # this job's checkpoints listed now
-        # name -> the scan in which a later one of its series was first listed while a file of
-        # it was held open for writing: not whole when the later one started.
-        self._open_when_followed: dict[str, int] = {}
-        self._open_writers: set[str] | None = None  # per scan, asked only when needed
+        self._scans_done = 0  # scans finished (polled): the tracker counts those begun
         self._lock = threading.Lock()  # one scan (and upload) at a time
         self._done = UploadStats()  # what this uploader has stored (the backlog is worked out)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(earlier,), daemon=True)
         self._thread.start()
+
+    @property
+    def tracked(self) -> dict[str, Tracked]:
+        """Every checkpoint name met so far (the tracker's)."""
+        return self.tracker.tracked
 
     # --- called by the controller ------------------------------------------------------------
 
@@ -160,12 +109,7 @@ class CheckpointUploader:
         """The backlog now and what was uploaded: the node agent samples it beside the rank's
         resources. Waiting: checkpoints not stored as they are that are complete, failed to
         upload, or quiet for settle_s (one whose first storage lookup waits out an outage)."""
-        now, quiet_since = time.time(), time.monotonic() - self.settings.settle_s
-        waiting = [
-            t for t in list(self.tracked.values())
-            if t.gone is None and t.seen is not None and t.seen.files and not self._is_current(t)
-            and (t.ready is not None or t.failed is not None or t.changed_at <= quiet_since)
-        ]  # fmt: skip
+        now, waiting = time.time(), self.tracker.waiting()
         oldest = min((t.ready_wall or t.changed_wall for t in waiting), default=None)
         return self._done.model_copy(update={
             "waiting": len(waiting),
@@ -177,8 +121,8 @@ class CheckpointUploader:
         """The rank's commands ended (`clean`: the last one exited 0): from now on a checkpoint
         is complete only by what its writer left (a later one of its series started after it
         counts), never because it has been quiet."""
-        if self._writer_end is None:
-            self._writer_end = (clean, at or time.time(), how)
+        if self.tracker.writer_end is None:
+            self.tracker.writer_end = (clean, at or time.time(), how)
 
     def flush(
         self, timeout: float | None = None, clean: bool = False, how: str = "the job ended"
@@ -205,7 +149,7 @@ class CheckpointUploader:
                 self._scan(final=True, deadline=deadline)
         finally:
             retry.give_up_at = None
-        return UploaderFlush(self._entries(), self.events)
+        return UploaderFlush(self.tracker.entries(), self.events)
 
     def begin_attempt(self, number: int, resume: dict[str, Any] | None, newer: list[str]) -> None:
         """Before attempt `number` starts, put this rank at the job's resume point: set aside
@@ -215,22 +159,22 @@ class CheckpointUploader:
         if not self._started.wait(60):
             raise TimeoutError(f"rank {self.rank}'s checkpoint uploader is not watching")
         with self._lock:
-            self._writer_end = None
+            self.tracker.writer_end = None
             self._set_aside(number, set(newer), resume["name"] if resume else None)
             if resume is None:
                 return
             chosen = Manifest.model_validate(resume)
             name, whose = chosen.name, f"rank-{chosen.node_rank}/{chosen.name}"
-            if self._exists(name):
+            if self.tracker.exists(name):
                 return
             self.store.download(chosen, self.local_dir / name)
             fingerprint = snapshot(self.local_dir / name).fingerprint
             if chosen.node_rank == self.rank:
-                t = self.tracked.setdefault(name, _Tracked())
+                t = self.tracker.tracked.setdefault(name, Tracked())
                 t.stored, t.looked_up, t.restored, t.gone = chosen, True, fingerprint, None
                 t.seen, t.ready = None, None
             else:
-                self.restored[name] = (fingerprint, whose)
+                self.tracker.restored[name] = (fingerprint, whose)
             self._event(
                 f"restored {whose} from the storage root into $BT_CHECKPOINT_DIR for attempt "
                 f"{number}: {len(chosen.files)} files, {chosen.size_bytes / 1e6:.1f} MB"
@@ -240,8 +184,8 @@ class CheckpointUploader:
         """Move out of the directory, to `set-aside/attempt-<number>/` beside it (kept on the
         node; their stored copies stay): checkpoints not stored complete (an interrupted
         save) and those newer than the job's resume point."""
-        for name, t in self.tracked.items():
-            if not self._exists(name) or name == resume:
+        for name, t in self.tracker.tracked.items():
+            if not self.tracker.exists(name) or name == resume:
                 continue
             if name in newer:
                 why = f"it is newer than {resume}, the last checkpoint every rank stored"
@@ -266,7 +210,7 @@ class CheckpointUploader:
             earlier = read_earlier_checkpoints(self.job_dir)
             if earlier is None:
                 time.sleep(SCAN_S)
-        self.earlier = dict(earlier or {})
+        self.tracker.earlier = dict(earlier or {})
         self._renames = RenameWatch(self.local_dir)
         self._started.set()
         while not self._stop.wait(SCAN_S):
@@ -285,19 +229,11 @@ class CheckpointUploader:
             if recheck:
                 self._last_recheck = now
                 self._check_volume()
-            self._open_writers = None
             renamed = self._renames.renamed() if self._renames else set()
             appeared = self._renames.appeared() if self._renames else set()
             entries = top_level(self.local_dir, self.settings.temporary_patterns)
-            self._scans += 1
-            self._notice_new(entries)
-            self._notice_vanished(appeared - set(entries))
-            self.ignored = {n: k for n, k in self.ignored.items() if entries.get(n) == k}
-            for name, kind in entries.items():
-                if kind not in (EntryKind.CHECKPOINT, EntryKind.HIDDEN):
-                    self._ignore(name, kind)
-            self._notice_deleted(entries)
-            if self._writer_end is not None:
+            self.tracker.notice(entries, appeared - set(entries))
+            if self.tracker.writer_end is not None:
                 self._distrust_late_settles()
             for name in sorted(n for n, k in entries.items() if k == EntryKind.CHECKPOINT):
                 if deadline is not None and time.monotonic() > deadline:
@@ -311,35 +247,35 @@ class CheckpointUploader:
 
     def _consider(self, name: str, recheck: bool, renamed: bool, final: bool) -> None:
         """Look at one checkpoint and upload it if it is complete and not stored as it is."""
-        if name in self.restored:
-            fingerprint, whose = self.restored[name]
+        if name in self.tracker.restored:
+            fingerprint, whose = self.tracker.restored[name]
             if (
                 not (recheck or renamed)
                 or snapshot(self.local_dir / name).fingerprint == fingerprint
             ):
                 return  # another rank's copy, restored for a retried attempt
-            del self.restored[name]
+            del self.tracker.restored[name]
             self._event(f"{name} (restored from {whose}) was changed by this job: it is "
                         f"rank {self.rank}'s now")  # fmt: skip
-        if name in self.earlier:
+        if name in self.tracker.earlier:
             if not (recheck or renamed):
                 return  # an earlier job's: looked at again every RECHECK_S
-            if snapshot(self.local_dir / name).fingerprint == self.earlier[name]:
-                if name not in self._said_earlier:
-                    self._said_earlier.add(name)
+            if snapshot(self.local_dir / name).fingerprint == self.tracker.earlier[name]:
+                if name not in self.tracker.said_earlier:
+                    self.tracker.said_earlier.add(name)
                     self._event(f"skipping {name}: it was in the checkpoint directory before "
                                 "this job started (an earlier job's)")  # fmt: skip
                 return
-            del self.earlier[name]
+            del self.tracker.earlier[name]
             self._event(f"{name} was changed by this job: it is this job's now")
-        t = self.tracked.setdefault(name, _Tracked())
-        if not (recheck or renamed) and t.seen is not None and self._is_current(t):
+        t = self.tracker.tracked.setdefault(name, Tracked())
+        if not (recheck or renamed) and t.seen is not None and self.tracker.is_current(t):
             return  # stored as it is; looked at again every RECHECK_S
         seen = snapshot(self.local_dir / name)
         now = time.monotonic()
         if t.seen is None or seen.fingerprint != t.seen.fingerprint:
             t.seen, t.changed_at, t.changed_wall, t.ready = seen, now, time.time(), None
-            t.changed_scan = self._scans
+            t.changed_scan = self.tracker.scans
         if not t.looked_up:
             t.looked_up = True  # a restarted uploader finds what it committed before
             try:
@@ -347,128 +283,39 @@ class CheckpointUploader:
             except Exception:  # a root that refuses the lookup refuses the upload: it says why
                 t.stored = None
         for rel, why in seen.skipped_links:
-            self._once(t, f"link {rel}", f"{name}: skipped link {rel}: {why}")
-        if self._is_current(t) or not seen.files:
+            self.tracker.once(t, f"link {rel}", f"{name}: skipped link {rel}: {why}")
+        if self.tracker.is_current(t) or not seen.files:
             return  # stored as it is, or empty: a directory made first and filled later
         if renamed:
-            self._ready(t, RENAMED)
+            self.tracker.ready(t, RENAMED)
         elif t.ready is None:
-            self._ready(t, self._judge(name, t, now))
+            self.tracker.ready(t, self.tracker.judge(name, t, now))
         if t.ready is None and not final:
             return
         if t.failed and not final and now - t.failed_at < RETRY_S:
             return
-        self._upload(name, t, incomplete=None if t.ready else self._why_incomplete(name, t))
-
-    def _judge(self, name: str, t: _Tracked, now: float) -> str | None:
-        """Why the content last seen is complete, or None while it may still be written."""
-        assert t.seen is not None
-        if t.seen.marked_complete:
-            return MARKED
-        if self._writer_end is not None:
-            if self._writer_end[0]:
-                return WRITER_DONE
-            newer = self._followed(name, t)
-            return None if newer is None else f"{newer}, later in its series, started after it"
-        quiet = now - t.changed_at
-        if quiet < self.settings.settle_s:
-            return None
-        if unfinished(name, t.seen, self.rank) and quiet < self.settings.format_wait_s:
-            return None
-        if self._open_writers is None:
-            self._open_writers = open_for_writing(self.local_dir)
-        if any(f.path in self._open_writers for f in t.seen.files):
-            return None
-        return SETTLED
-
-    def _ready(self, t: _Tracked, why: str | None) -> None:
-        t.ready, t.ready_wall = why, time.time()
-
-    def _is_current(self, t: _Tracked) -> bool:
-        stored, seen = t.stored, t.seen
-        if stored is None or seen is None:
-            return False
-        return seen.fingerprint in (stored.source, t.restored)
-
-    def _why_incomplete(self, name: str, t: _Tracked) -> str:
-        assert t.seen is not None and self._writer_end is not None
-        _, ended, how = self._writer_end
-        quiet = max(0.0, ended - t.changed_wall)
-        why = f"{how} {quiet:.1f} s after its last change, before it was complete"
-        if known := unfinished(name, t.seen, self.rank):
-            why += f" ({known})"
-        return why
+        self._upload(name, t, incomplete=None if t.ready else self.tracker.why_incomplete(name, t))
 
     def _distrust_late_settles(self) -> None:
         """A checkpoint judged settled after its writer died had not been quiet for settle_s
         while the writer lived: take the judgment back (and mark a stored copy incomplete)."""
-        assert self._writer_end is not None
-        clean, ended, _ = self._writer_end
-        for name, t in self.tracked.items():
+        assert self.tracker.writer_end is not None
+        clean, ended, _ = self.tracker.writer_end
+        for name, t in self.tracker.tracked.items():
             late = t.ready == SETTLED and t.ready_wall > ended
             if clean or not late or ended - t.changed_wall >= self.settings.settle_s:
                 continue
-            if self._followed(name, t) is not None:
+            if self.tracker.followed(name, t) is not None:
                 continue  # whole all the same: a later one of its series was started after it
             t.ready = None
-            if self._is_current(t) and t.stored is not None and t.stored.complete:
-                why = self._why_incomplete(name, t)
+            if self.tracker.is_current(t) and t.stored is not None and t.stored.complete:
+                why = self.tracker.why_incomplete(name, t)
                 t.stored = self.store.mark_incomplete(t.stored, why)
                 self._event(f"checkpoint {name} marked INCOMPLETE: {why}")
 
-    def _followed(self, name: str, t: _Tracked) -> str | None:
-        """A later checkpoint of `name`'s series started after `name` last changed, which says
-        it is whole (trainers start the next save once the last is written), unless its writer
-        said otherwise: a known writer's rule (`unfinished`), a completion marker older than its
-        files, or a file of it held open for writing when the later one was first listed."""
-        seen = t.seen
-        if seen is None or seen.marker_ns is not None or unfinished(name, seen, self.rank):
-            return None
-        if self._open_when_followed.get(name, -1) >= t.changed_scan:
-            return None
-        for newer, sighting in sorted(self._sightings.items()):
-            # First listed no earlier than the scan that first saw this content, and, for the
-            # order inside one scan, made no earlier than this content's newest file.
-            if (
-                follows(newer, name)
-                and sighting.scan >= t.changed_scan
-                and seen.newest_ns <= sighting.ctime_ns
-            ):
-                return newer
-        return None
-
-    def _notice_new(self, entries: dict[str, EntryKind]) -> None:
-        """Note each of this job's checkpoints the first time it is listed (for `_followed`),
-        and which earlier ones of its series then have a file held open for writing."""
-        listed = {n for n, k in entries.items() if k == EntryKind.CHECKPOINT}
-        self._sightings = {n: s for n, s in self._sightings.items() if n in listed}
-        new = []
-        for name in sorted(listed - self._sightings.keys()):
-            if name in self.earlier or name in self.restored:
-                continue  # not this job's: it says nothing of this job's checkpoints
-            try:
-                ctime_ns = os.stat(self.local_dir / name, follow_symlinks=False).st_ctime_ns
-            except FileNotFoundError:
-                continue
-            self._sightings[name] = _Sighting(self._scans, ctime_ns)
-            new.append(name)
-        if not new or len(listed) < 2:
-            return
-        for older in self._held_open(listed):
-            if any(follows(name, older) for name in new):
-                self._open_when_followed[older] = self._scans
-
-    def _held_open(self, names: set[str]) -> set[str]:
-        """Those of `names` with a file some process holds open for writing."""
-        if self._open_writers is None:
-            self._open_writers = open_for_writing(self.local_dir)
-        top = f"{os.path.realpath(self.local_dir)}{os.sep}"
-        held = {p[len(top) :].split(os.sep, 1)[0] for p in self._open_writers if p.startswith(top)}
-        return held & names
-
     # --- uploading -----------------------------------------------------------------------------
 
-    def _upload(self, name: str, t: _Tracked, incomplete: str | None) -> None:
+    def _upload(self, name: str, t: Tracked, incomplete: str | None) -> None:
         assert t.seen is not None
         start = time.monotonic()
         replaced = t.stored
@@ -512,10 +359,10 @@ class CheckpointUploader:
         if self.settings.delete_local and not incomplete:
             shutil.rmtree(self.local_dir / name, ignore_errors=True)
 
-    def _abandoned(self, name: str, t: _Tracked, why: str) -> None:
+    def _abandoned(self, name: str, t: Tracked, why: str) -> None:
         """A file changed or vanished mid-upload: nothing of that upload is kept."""
         kept = f"; version {t.stored.version or 1} stays stored" if t.stored else ""
-        if self._exists(name):
+        if self.tracker.exists(name):
             t.seen, t.ready = None, None  # seen afresh, and uploaded once complete again
             t.failed, t.failed_at = f"it changed during its upload ({why})", 0.0
             self._event(f"checkpoint {name} changed during its upload ({why}): upload "
@@ -526,87 +373,6 @@ class CheckpointUploader:
             f"checkpoint {name} was deleted during its upload (a trainer's save_total_limit?): "
             f"upload abandoned, nothing partial kept{kept}"
         )
-
-    def _notice_vanished(self, names: set[str]) -> None:
-        """Checkpoints made and deleted between two scans (seen only by inotify)."""
-        patterns = (*TEMPORARY_PATTERNS, *self.settings.temporary_patterns)
-        for name in sorted(names):
-            if (
-                name in self.tracked or name in self.earlier or name in self.restored
-                or name.startswith(".") or any(fnmatch.fnmatchcase(name, p) for p in patterns)
-            ):  # fmt: skip
-                continue
-            t = self.tracked[name] = _Tracked()
-            t.gone = "deleted by the job before it was uploaded (it existed for less than a scan)"
-            self._event(f"{name} was {t.gone}")
-
-    def _notice_deleted(self, entries: dict[str, EntryKind]) -> None:
-        for name, t in self.tracked.items():
-            if name in entries or t.gone or t.stored is not None or t.seen is None:
-                continue
-            t.gone = "deleted by the job before it was uploaded"
-            self._event(f"{name} was {t.gone}")
-
-    # --- reporting -----------------------------------------------------------------------------
-
-    def _entries(self) -> list[CheckpointEntry]:
-        """What became of every name found: for the status at the end of the job."""
-        entries = [
-            CheckpointEntry(rank=self.rank, name=name, state="earlier_job",
-                            reason="in the checkpoint directory before this job started")
-            for name in sorted(self.earlier)
-        ]  # fmt: skip
-        for name, (_, whose) in sorted(self.restored.items()):
-            if self._exists(name):
-                why = f"a copy of {whose}, restored for a retry"
-                entries.append(
-                    CheckpointEntry(rank=self.rank, name=name, state="restored", reason=why)
-                )
-        for name, t in sorted(self.tracked.items()):
-            entries.append(self._entry(name, t))
-        for name, kind in sorted(self.ignored.items()):
-            entries.append(CheckpointEntry(rank=self.rank, name=name, state="ignored",
-                                           reason=_IGNORED_WHY[kind]))  # fmt: skip
-        return entries
-
-    def _entry(self, name: str, t: _Tracked) -> CheckpointEntry:
-        entry = CheckpointEntry(rank=self.rank, name=name, state="pending")
-        stored = t.stored
-        if stored is not None:
-            entry.files, entry.size_bytes = len(stored.files), stored.size_bytes
-        emptied = t.seen is not None and not t.seen.files
-        if stored is not None and (self._is_current(t) or not self._exists(name) or emptied):
-            entry.state = "uploaded" if stored.complete else "incomplete"
-            entry.reason = stored.incomplete_reason
-        elif not self._exists(name):
-            entry.state, entry.reason = "deleted", t.gone or "deleted by the job"
-        elif emptied:
-            entry.state, entry.reason = "ignored", "an empty directory: nothing to upload"
-        elif t.failed:
-            entry.state = "failed"
-            entry.reason = t.failed + (
-                f" (version {stored.version or 1}, from before its last change, is stored)"
-                if stored
-                else ""
-            )
-        else:
-            entry.reason = "the flush deadline passed before it was uploaded"
-        return entry
-
-    def _exists(self, name: str) -> bool:
-        return (self.local_dir / name).is_dir()
-
-    def _ignore(self, name: str, kind: EntryKind) -> None:
-        if self.ignored.get(name) == kind:
-            return
-        self.ignored[name] = kind
-        if kind != EntryKind.TEMPORARY:  # temporaries are expected while a writer works
-            self._event(f"ignoring {name}: {_IGNORED_WHY[kind]}")
-
-    def _once(self, t: _Tracked, key: str, message: str) -> None:
-        if key not in t.said:
-            t.said.add(key)
-            self._event(message)
 
     def _check_volume(self) -> None:
         if self.volume_bytes is None or not self.local_dir.is_dir():
