@@ -62,7 +62,8 @@ RAYLET_PROBE_S = 1.0  # a connection to a live raylet's port is accepted well wi
 
 
 class NodeGroupError(Exception):
-    """The nodes could not be placed or prepared; the message says why (for the job's cause)."""
+    """The nodes could not be placed or prepared; the message says why (internal: the job's
+    cause)."""
 
 
 class NodeLostError(NodeGroupError):

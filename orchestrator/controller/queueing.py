@@ -28,15 +28,15 @@ STORAGE_RETRY_S = 2.0  # the queue service could not write our storage root: ask
 
 
 class NeverFits(Exception):
-    """The job does not fit this cluster even when it is empty."""
+    """The job does not fit this cluster even when it is empty (internal: the job's cause)."""
 
 
 class QueueTimeout(Exception):
-    """The job waited in the queue longer than its queue timeout."""
+    """The job waited in the queue longer than its queue timeout (internal: the job's cause)."""
 
 
 class QueueUnavailable(Exception):
-    """The queue service could not be reached or started."""
+    """The queue service could not be reached or started (internal: the job's cause)."""
 
 
 class JobQueue(Protocol):

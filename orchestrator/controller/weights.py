@@ -26,7 +26,8 @@ REPORT_EVERY_S = 2.0
 
 
 class WeightsUnavailable(Exception):
-    """A source could not be mirrored; the message names it and says why."""
+    """A source could not be mirrored; the message names it and says why (internal: the
+    deploy failure's cause)."""
 
 
 @dataclass

@@ -33,7 +33,8 @@ HANGUP_GRACE_S = 2.0
 
 
 class TerminalEnded(Exception):
-    """The terminal is gone: its shell exited and was read to the end, or it was closed."""
+    """The terminal is gone: its shell exited and was read to the end, or it was closed
+    (internal: the client's relay shows its last line as why the shell ended)."""
 
 
 class Terminal:

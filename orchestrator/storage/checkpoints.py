@@ -114,7 +114,8 @@ def manifest_path(project: str, job_id: str, rank: int, name: str) -> str:
 
 
 class CheckpointChanged(OSError):
-    """A file of the checkpoint changed or vanished while it was being uploaded."""
+    """A file of the checkpoint changed or vanished while it was being uploaded (internal: the
+    uploader abandons that upload and says so)."""
 
 
 class _Throttle:
