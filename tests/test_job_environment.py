@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import definitions as d
+from orchestrator.agents.messages import Group
 from orchestrator.agents.rendezvous import group_environment
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import store_job
@@ -116,7 +117,7 @@ def test_the_default_download_folder_becomes_private_to_the_job(tmp_path):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_the_group_variables_name_the_leader_and_each_rank(rank):
-    group = {"leader_addr": "10.0.0.1", "master_port": 29500, "addresses": ["10.0.0.1", "10.0.0.2"]}
+    group = Group(leader_addr="10.0.0.1", master_port=29500, addresses=("10.0.0.1", "10.0.0.2"))
     env = group_environment(rank, group, gpus_per_node=8)
     assert env["BT_GROUP_SIZE"] == "2" and env["BT_NODE_RANK"] == str(rank)
     assert env["BT_LEADER_ADDR"] == "10.0.0.1"

@@ -35,6 +35,7 @@ from orchestrator.storage.metrics import (
     read_rank_metrics,
     write_rank_metrics,
 )
+from orchestrator.storage.records import NodeInfo
 from orchestrator.storage.root import StorageRoot
 
 MiB = 2**20
@@ -246,7 +247,9 @@ def test_a_replacement_agent_goes_on_with_the_stored_series_and_never_waits_on_s
 
     def replacement() -> NodeAgent:
         agent = NodeAgent("job-r", 1, root.url)
-        agent.node_info = lambda: {"node_id": "new-node", "hostname": "h2"}  # no Ray here
+        agent.node_info = lambda: NodeInfo(  # no Ray here
+            rank=1, node_id="new-node", ip="127.0.0.1", hostname="h2", working_dir="/w"
+        )
         return agent
 
     agent = replacement()

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 
+from orchestrator.agents.messages import ShellResult
 from orchestrator.node.secrets import SecretMasker
 from orchestrator.node.terminal import Terminals
 
@@ -34,7 +35,7 @@ class JobShellService:
             raise RuntimeError(f"the job's commands have not started on rank {self.rank} yet")
         return self._job
 
-    def exec(self, command: str, timeout_s: float) -> dict[str, object]:
+    def exec(self, command: str, timeout_s: float) -> ShellResult:
         """Run one shell command; its exit code (124 when it ran past `timeout_s`) and output,
         secrets masked."""
         env, cwd, mask = self._started()
@@ -51,7 +52,7 @@ class JobShellService:
             out, _ = process.communicate()
             code = SHELL_TIMEOUT_EXIT
         text = out[-SHELL_OUTPUT_BYTES:].decode(errors="replace")
-        return {"exit_code": code, "output": "".join(map(mask, text.splitlines(keepends=True)))}
+        return ShellResult(code, "".join(map(mask, text.splitlines(keepends=True))))
 
     def open_terminal(self, rows: int, cols: int, term: str, lost_after_s: float) -> str:
         """Start a shell on a PTY; its terminal id."""

@@ -6,6 +6,7 @@ tuples: a misspelt field is an error where it is written, not a KeyError in a wo
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,11 +47,31 @@ class PrepareRequest:
     cache: CacheRequest | None = None
 
 
+class DeliveryTier(str, enum.Enum):
+    """Where a weight set's bytes came from to reach a node."""
+
+    NODE = "node"  # this node's cache had it
+    CLUSTER = "cluster"  # the cluster cache (a shared filesystem)
+    MIRROR = "mirror"  # the mirror in the storage root
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """A node's weight cache's answer: the local directory holding the set, and its cost."""
+
+    path: str
+    tier: DeliveryTier
+    bytes_copied: int
+    seconds: float
+    evicted: tuple[str, ...] = ()  # sets evicted to make room
+    over_budget: bool = False  # kept although it does not fit the cache's budget
+
+
 @dataclass(frozen=True)
 class Delivery:
     """How one weight set reached a node (its node cache's answer, and the link placed)."""
 
-    tier: str  # node | cluster | mirror: where the bytes came from
+    tier: DeliveryTier
     seconds: float
     bytes_copied: int
     mount_location: str
@@ -194,3 +215,20 @@ class MirrorFailed:
     """The source cannot be read (secrets masked in `error`)."""
 
     error: str
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ranks of one attempt once all have met: the leader and every rank's address."""
+
+    leader_addr: str
+    master_port: int | None  # offered by the leader for torch.distributed
+    addresses: tuple[str, ...]  # by rank
+
+
+@dataclass(frozen=True)
+class ShellResult:
+    """One `orchestrator shell -- <command>` run on a rank: its exit code and output (masked)."""
+
+    exit_code: int
+    output: str

@@ -27,10 +27,12 @@ from orchestrator.agents.command_runner import STREAM_BACKLOG, CommandRunner
 from orchestrator.agents.job_shell_service import JobShellService
 from orchestrator.agents.messages import (
     CommandsEnded,
+    Group,
     MetricsRequest,
     OutputLines,
     PreparedNode,
     PrepareRequest,
+    ShellResult,
     StartRequest,
 )
 from orchestrator.agents.node_preparer import NodePreparer
@@ -39,6 +41,7 @@ from orchestrator.agents.services import NAMESPACE
 from orchestrator.node.node_root import RankDirs
 from orchestrator.node.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
 from orchestrator.storage.logs import rank_line
+from orchestrator.storage.records import NodeInfo
 from orchestrator.storage.root import StorageRoot
 
 # Metrics are imported where a job samples them: every job's agent worker imports this module
@@ -73,21 +76,25 @@ class NodeAgent:
         self._sampler: MetricsSampler | None = None
         self._uploader: Any = None
 
-    def node_info(self) -> dict[str, Any]:
+    def node_info(self) -> NodeInfo:
         import ray
 
-        return {
-            "rank": self.rank,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "hostname": socket.gethostname(),
-            "working_dir": str(self.dirs.workspace),
-        }
+        return NodeInfo(
+            rank=self.rank,
+            node_id=ray.get_runtime_context().get_node_id(),
+            ip=ray.util.get_node_ip_address(),
+            hostname=socket.gethostname(),
+            working_dir=str(self.dirs.workspace),
+        )
 
     def prepare(self, request: PrepareRequest) -> PreparedNode:
         """Make the node ready for the job's commands (agents/node_preparer.py)."""
         cache, weights = self.preparer.prepare(request)
-        return PreparedNode(**self.node_info(), weights=weights, cache=cache)
+        info = self.node_info()
+        return PreparedNode(
+            rank=info.rank, node_id=info.node_id, ip=info.ip, hostname=info.hostname,
+            working_dir=info.working_dir, weights=weights, cache=cache,
+        )  # fmt: skip
 
     def run_commands(self, request: StartRequest) -> Iterator[OutputLines | CommandsEnded]:
         """Join the group, then run the commands in order through a shell, stopping at a failure.
@@ -141,7 +148,7 @@ class NodeAgent:
                 self._metrics = read_rank_metrics(root, self.job_id, self.rank)
         info = self.node_info()
         metrics = self._metrics = self._metrics or RankMetrics(job_id=self.job_id, rank=self.rank)
-        metrics.node_id, metrics.hostname = info["node_id"], info["hostname"]
+        metrics.node_id, metrics.hostname = info.node_id, info.hostname
         metrics.interval_s = request.interval_s
         metrics.memory_request_bytes = request.memory_request_bytes
         metrics.cpu_request = request.cpu_request
@@ -186,7 +193,7 @@ class NodeAgent:
             self._uploader = None  # restarted or gone: looked up again next time
             raise
 
-    def _join(self, rendezvous: Any) -> dict[str, Any] | None:
+    def _join(self, rendezvous: Any) -> Group | None:
         """Register this node's address and wait for every rank (the barrier).
 
         Without a rendezvous (a group of one) this node leads itself.
@@ -195,7 +202,7 @@ class NodeAgent:
 
         if rendezvous is None:
             here = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-            return {"leader_addr": here, "master_port": free_port(), "addresses": [here]}
+            return Group(leader_addr=here, master_port=free_port(), addresses=(here,))
 
         port = free_port() if self.rank == 0 else None
         ref = rendezvous.join.remote(self.rank, ray.util.get_node_ip_address(), port)
@@ -205,7 +212,7 @@ class NodeAgent:
                 return ray.get(ref)
         return None
 
-    def exec_in_job(self, command: str, timeout_s: float) -> dict[str, Any]:
+    def exec_in_job(self, command: str, timeout_s: float) -> ShellResult:
         """Run one shell command as the job's commands run (directory, environment, secrets);
         its exit code (124 when it ran past `timeout_s`) and output, secrets masked."""
         return self.shell.exec(command, timeout_s)

@@ -31,6 +31,7 @@ from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS
 from orchestrator.storage.root import StorageRoot
+from orchestrator.storage.weights import WeightSet
 
 # Weights and the training cache are imported where a job uses them: every job's agent worker
 # imports this module while the job waits to start (docs/performance.md).
@@ -131,20 +132,20 @@ class NodePreparer:
         self._holds_weights = True
         delivered = ray.get(
             weight_cache_here().deliver.remote(
-                self.storage.url, placement.weight_set, self.holder[0]
+                self.storage.url, WeightSet.model_validate(placement.weight_set), self.holder[0]
             )
         )
         mount = Path(placement.mount_location)
-        place_link(mount, delivered["path"], "mount_location", self.holder, actor_alive)
-        self._mounts.append((mount, delivered["path"]))
+        place_link(mount, delivered.path, "mount_location", self.holder, actor_alive)
+        self._mounts.append((mount, delivered.path))
         # The whole of it as the job sees it: asking the cache, its copy if any, and the link.
         return Delivery(
-            tier=delivered["tier"],
+            tier=delivered.tier,
             seconds=round(time.monotonic() - started, 4),
-            bytes_copied=delivered["bytes_copied"],
+            bytes_copied=delivered.bytes_copied,
             mount_location=str(mount),
-            evicted=tuple(delivered.get("evicted") or ()),
-            over_budget=bool(delivered.get("over_budget")),
+            evicted=delivered.evicted,
+            over_budget=delivered.over_budget,
         )
 
     def clear(self, keep_checkpoints: bool = True) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any
+
+from orchestrator.agents.messages import Group
 
 
 class Rendezvous:
@@ -21,18 +22,18 @@ class Rendezvous:
         self.master_port: int | None = None
         self._everyone = asyncio.Event()
 
-    async def join(self, rank: int, address: str, offered_port: int | None) -> dict[str, Any]:
+    async def join(self, rank: int, address: str, offered_port: int | None) -> Group:
         self.addresses[rank] = address
         if rank == 0:
             self.master_port = offered_port
         if len(self.addresses) == self.group_size:
             self._everyone.set()
         await self._everyone.wait()
-        return {
-            "leader_addr": self.addresses[0],
-            "master_port": self.master_port,
-            "addresses": [self.addresses[r] for r in range(self.group_size)],
-        }
+        return Group(
+            leader_addr=self.addresses[0],
+            master_port=self.master_port,
+            addresses=tuple(self.addresses[r] for r in range(self.group_size)),
+        )
 
 
 def free_port() -> int:
@@ -42,15 +43,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def group_environment(rank: int, group: dict[str, Any], gpus_per_node: int) -> dict[str, str]:
+def group_environment(rank: int, group: Group, gpus_per_node: int) -> dict[str, str]:
     """BT_* group variables plus the names torchrun and torch.distributed read."""
-    size = len(group["addresses"])
+    size = len(group.addresses)
     return {
         "BT_GROUP_SIZE": str(size),
         "BT_NODE_RANK": str(rank),
-        "BT_LEADER_ADDR": group["leader_addr"],
-        "MASTER_ADDR": group["leader_addr"],
-        "MASTER_PORT": str(group["master_port"]),
+        "BT_LEADER_ADDR": group.leader_addr,
+        "MASTER_ADDR": group.leader_addr,
+        "MASTER_PORT": str(group.master_port),
         "NNODES": str(size),
         "NODE_RANK": str(rank),
         "NPROC_PER_NODE": str(max(gpus_per_node, 1)),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import actor_names, settings
+from orchestrator.agents.messages import Delivered, DeliveryTier
 from orchestrator.agents.services import actor_alive, shared_actor, this_node_id
 from orchestrator.home import orchestrator_home
 from orchestrator.storage.parallel import parallel_map
@@ -45,17 +46,17 @@ class WeightCache:
         )
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
 
-    def deliver(self, storage_root: str, weight_set: dict[str, Any], holder: str) -> dict[str, Any]:
+    def deliver(self, storage_root: str, weight_set: WeightSet, holder: str) -> Delivered:
         """The local directory holding the set's files, and where they came from.
 
         `holder` (the asking agent's actor name) keeps the set from eviction until `release`.
         """
-        ws = WeightSet.model_validate(weight_set)
+        ws = weight_set
         started = time.monotonic()
         with self._locks[ws.key]:  # one fill per set on this node; the others wait for it
             if (hit := self.node.get(ws.key, holder)) is not None:
-                return _delivered(hit, "node", 0, started)
-            tier, fill = "mirror", _from_mirror(StorageRoot(storage_root), ws)
+                return _delivered(hit, DeliveryTier.NODE, 0, started)
+            tier, fill = DeliveryTier.MIRROR, _from_mirror(StorageRoot(storage_root), ws)
             if self.cluster is not None:
                 shared = self.cluster.get(ws.key, holder)
                 if shared is None:
@@ -63,14 +64,14 @@ class WeightCache:
                         ws.key, ws.total_bytes, fill, holder, actor_alive
                     ).path
                 else:
-                    tier = "cluster"
+                    tier = DeliveryTier.CLUSTER
                 fill = _from_directory(shared, ws)
             put = self.node.put(ws.key, ws.total_bytes, fill, holder, actor_alive)
             if self.cluster is not None:
                 self.cluster.release(holder)
-            result = _delivered(put.path, tier, ws.total_bytes, started)
-            result.update(evicted=put.evicted, over_budget=put.over_budget)
-            return result
+            return _delivered(
+                put.path, tier, ws.total_bytes, started, tuple(put.evicted), put.over_budget
+            )
 
     def release(self, holder: str) -> None:
         self.node.release(holder)
@@ -84,13 +85,12 @@ def weight_cache_here() -> Any:
     return shared_actor(WeightCache, name, pinned_here=True, max_concurrency=16)
 
 
-def _delivered(path: Path, tier: str, copied: int, started: float) -> dict[str, Any]:
-    return {
-        "path": str(path),
-        "tier": tier,
-        "bytes_copied": copied,
-        "seconds": round(time.monotonic() - started, 3),
-    }
+def _delivered(
+    path: Path, tier: DeliveryTier, copied: int, started: float,
+    evicted: tuple[str, ...] = (), over_budget: bool = False,
+) -> Delivered:  # fmt: skip
+    seconds = round(time.monotonic() - started, 3)
+    return Delivered(str(path), tier, copied, seconds, evicted, over_budget)
 
 
 def _from_mirror(root: StorageRoot, ws: WeightSet) -> Any:

@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return NOT_RUN_EXIT
     print(OUTPUT_MARKER, flush=True)
-    sys.stdout.write(result["output"])
+    sys.stdout.write(result.output)
     sys.stdout.flush()
-    return int(result["exit_code"])
+    return result.exit_code
 
 
 if __name__ == "__main__":
