@@ -34,9 +34,9 @@ class Echo:
         return entry
 
 
-def entry(i: int) -> dict:
+def entry(i: int) -> QueueEntry:
     return QueueEntry(job_id=f"bench-{i}", team="t", pushed_at=time.time(),
-                      bundle={"CPU": 1, "memory": 2**29}).model_dump()  # fmt: skip
+                      bundle={"CPU": 1, "memory": 2**29})  # fmt: skip
 
 
 def ms(values: list[float]) -> str:
@@ -64,7 +64,7 @@ def main() -> None:
         service = start_queue_service()
         first = ray.get(service.enqueue.remote(root, entry(-1)))
         cold = time.perf_counter() - started
-        assert first["state"] == "admitted", first
+        assert first.state == "admitted", first
         ray.get(service.release.remote(root, "bench--1"))
 
         echo = shared_actor(Echo, "bench-echo", pinned_here=True, max_concurrency=1)
@@ -77,9 +77,9 @@ def main() -> None:
             t1 = time.perf_counter()
             standing = ray.get(service.enqueue.remote(root, e))
             t2 = time.perf_counter()
-            assert standing["state"] == "admitted", standing
-            ray.get(service.placed.remote(root, e["job_id"], list(standing["placed_on"])))
-            ray.get(service.release.remote(root, e["job_id"]))
+            assert standing.state == "admitted", standing
+            ray.get(service.placed.remote(root, e.job_id, list(standing.placed_on)))
+            ray.get(service.release.remote(root, e.job_id))
             t3 = time.perf_counter()
             baseline.append(t1 - t0)
             admit.append(t2 - t1)

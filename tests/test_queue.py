@@ -263,20 +263,20 @@ def test_fifty_small_jobs_from_three_teams_all_run_within_their_quotas(
             team = "abc"[i % 3]
             entry = QueueEntry(job_id=f"j{i:02d}", team=team, pushed_at=float(i),
                                bundle={"CPU": 1, "GPU:H100": 1 + i % 2})  # fmt: skip
-            ray.get(service.enqueue.remote(root, entry.model_dump()))
+            ray.get(service.enqueue.remote(root, entry))
         admitted: dict[str, float] = {}
         finished: set[str] = set()
         deadline = time.monotonic() + 60
         while len(finished) < 50:
             assert time.monotonic() < deadline, f"{50 - len(finished)} jobs never ran"
-            view = ray.get(service.view.remote(root))["entries"]
+            view = ray.get(service.view.remote(root)).entries
             in_use = {team: 0.0 for team in quotas}
-            for e in view:
-                if e["state"] != "admitted":
+            for e in (viewed.entry for viewed in view):
+                if e.state != "admitted":
                     continue
-                admitted.setdefault(e["job_id"], time.monotonic())
-                if not e["borrowed"]:
-                    in_use[e["team"]] += e["bundle"]["GPU:H100"]
+                admitted.setdefault(e.job_id, time.monotonic())
+                if not e.borrowed:
+                    in_use[e.team] += e.bundle["GPU:H100"]
             assert all(in_use[t] <= quotas[t] for t in quotas), in_use  # owned: within quota
             for job_id, since in list(admitted.items()):
                 if job_id not in finished and time.monotonic() - since > 0.3:  # it ran

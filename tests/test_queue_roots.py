@@ -50,20 +50,20 @@ def service() -> Iterator[tuple[QueueService, FakeCluster]]:
     queues.close()
 
 
-def entry(job_id: str) -> dict:
-    return QueueEntry(job_id=job_id, team="t", pushed_at=1.0, bundle={"CPU": 1}).model_dump()
+def entry(job_id: str) -> QueueEntry:
+    return QueueEntry(job_id=job_id, team="t", pushed_at=1.0, bundle={"CPU": 1})
 
 
 def test_a_storage_root_that_is_down_holds_up_only_its_own_queue(service, tmp_path):
     queues, cluster = service
     down, up = str(tmp_path / "down"), str(tmp_path / "up")
-    assert queues.enqueue(down, entry("a1"))["state"] == "queued"  # the node is busy
+    assert queues.enqueue(down, entry("a1")).state == "queued"  # the node is busy
     broken = queues.queues[down]
     broken.root.fs, broken.root.is_local = UnreachableFs(), False  # every call now refused
-    assert queues.enqueue(up, entry("b1"))["state"] == "queued"
+    assert queues.enqueue(up, entry("b1")).state == "queued"
 
     cluster.free_up()  # no call says so: only a tick finds it
-    eventually(lambda: queues.admission(up, "b1")["state"] == "admitted",
+    eventually(lambda: queues.admission(up, "b1").state == "admitted",
                "the other root's job to be admitted while this one is down", 5)  # fmt: skip
     # The queue gives up on its root soon (a job's own calls wait out 30 minutes).
     assert broken.root.retry.budget_s == STORAGE_BUDGET_S <= 30

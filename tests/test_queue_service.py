@@ -28,8 +28,8 @@ def driver(ray_cluster: LocalClusterInfo, monkeypatch: pytest.MonkeyPatch) -> It
                 ray.kill(ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE))
 
 
-def entry(job_id: str, cpus: float, at: float) -> dict:
-    return QueueEntry(job_id=job_id, team="t", pushed_at=at, bundle={"CPU": cpus}).model_dump()
+def entry(job_id: str, cpus: float, at: float) -> QueueEntry:
+    return QueueEntry(job_id=job_id, team="t", pushed_at=at, bundle={"CPU": cpus})
 
 
 def test_a_killed_service_comes_back_with_the_same_queue(driver, tmp_path):
@@ -39,12 +39,12 @@ def test_a_killed_service_comes_back_with_the_same_queue(driver, tmp_path):
     now = time.time()
     service = start_queue_service()
     first = ray.get(service.enqueue.remote(root, entry("a", 1, now + 1)))
-    assert first["state"] == "admitted" and len(first["placed_on"]) == 1  # at once
+    assert first.state == "admitted" and len(first.placed_on) == 1  # at once
     waiting = ray.get(service.enqueue.remote(root, entry("c", cpus, now + 2)))
-    assert waiting["state"] == "queued" and waiting["position"] == 1
-    assert waiting["reason"] == f"needs 1 node with {cpus:g} CPU free: 0 such nodes free"
+    assert waiting.state == "queued" and waiting.position == 1
+    assert waiting.reason == f"needs 1 node with {cpus:g} CPU free: 0 such nodes free"
     never = ray.get(service.enqueue.remote(root, entry("b", cpus + 100, now + 3)))
-    assert never["state"] == "impossible" and "even when empty" in never["reason"]
+    assert never.state == "impossible" and "even when empty" in never.reason
 
     ray.kill(service)
     deadline = time.monotonic() + 30
@@ -58,21 +58,21 @@ def test_a_killed_service_comes_back_with_the_same_queue(driver, tmp_path):
     again = start_queue_service()
     assert ray.get(again.admission.remote(root, "a")) == first  # still admitted, not admitted again
     same = ray.get(again.enqueue.remote(root, entry("a", 1, now + 1)))
-    assert same["placed_on"] == first["placed_on"]
-    assert ray.get(again.admission.remote(root, "c"))["state"] == "queued"
+    assert same.placed_on == first.placed_on
+    assert ray.get(again.admission.remote(root, "c")).state == "queued"
     ray.get(again.release.remote(root, "a"))
-    assert ray.get(again.admission.remote(root, "c"))["state"] == "admitted"
-    assert ray.get(again.admission.remote(root, "a"))["state"] == "unknown"
+    assert ray.get(again.admission.remote(root, "c")).state == "admitted"
+    assert ray.get(again.admission.remote(root, "a")).state == "unknown"
 
     # Only a waiting job's priority changes; a preempted job goes back keeping its push time.
     with pytest.raises(ray.exceptions.RayTaskError, match="not waiting in the queue"):
         ray.get(again.update_priority.remote(root, "c", 9))
     ray.get(again.enqueue.remote(root, entry("d", 1, now + 4)))
     moved = ray.get(again.update_priority.remote(root, "d", 7))
-    assert moved["state"] == "queued" and moved["position"] == 1
+    assert moved.state == "queued" and moved.position == 1
     back = ray.get(again.requeue.remote(root, "c"))  # preempted: d (priority 7) now goes first
-    assert back["state"] == "queued"
-    assert ray.get(again.admission.remote(root, "d"))["state"] == "admitted"
-    view = {e["job_id"]: e for e in ray.get(again.view.remote(root))["entries"]}
-    assert view["d"]["priority"] == 7 and view["c"]["pushed_at"] == now + 2
+    assert back.state == "queued"
+    assert ray.get(again.admission.remote(root, "d")).state == "admitted"
+    view = {v.entry.job_id: v.entry for v in ray.get(again.view.remote(root)).entries}
+    assert view["d"].priority == 7 and view["c"].pushed_at == now + 2
     assert [e.job_id for e in QueueStore(StorageRoot(root)).entries()] == ["c", "b", "d"]

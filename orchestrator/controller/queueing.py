@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from orchestrator import settings
 from orchestrator.errors import StorageUnavailable, last_line
 from orchestrator.scheduler.cluster_view import bundle_of
+from orchestrator.scheduler.queue_manager import Admission, Standing
 from orchestrator.storage.queue_store import QueueEntry
 from orchestrator.storage.records import JobRecord
 
@@ -92,18 +93,18 @@ class RayJobQueue:
         self, timeout_s: float | None, on_pending: Callable[[str], None],
         check_stop: Callable[[], None],
     ) -> bool:  # fmt: skip
-        standing = self._call("enqueue", self.entry.model_dump())
+        standing = self._enqueue()
         self.enqueued = True
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         shown = None
-        while standing["state"] != "admitted":
-            if standing["state"] == "impossible":
-                raise NeverFits(standing["reason"])
-            if standing["state"] == "unknown":  # let go of meanwhile (never by this job)
-                standing = self._call("enqueue", self.entry.model_dump())
+        while standing.state != Standing.ADMITTED:
+            if standing.state == Standing.IMPOSSIBLE:
+                raise NeverFits(standing.reason)
+            if standing.state == Standing.UNKNOWN:  # let go of meanwhile (never by this job)
+                standing = self._enqueue()
                 continue
-            where = f" (position {standing['position']})" if standing["position"] else ""
-            reason = f"waiting in the queue{where}: {standing['reason']}"
+            where = f" (position {standing.position})" if standing.position else ""
+            reason = f"waiting in the queue{where}: {standing.reason}"
             if reason != shown:
                 on_pending(reason)
                 shown = reason
@@ -111,34 +112,42 @@ class RayJobQueue:
             if deadline is not None and time.monotonic() > deadline:
                 raise QueueTimeout(
                     f"waited in the queue longer than its {timeout_s:g} s queue timeout "
-                    f"({settings.QUEUE_TIMEOUT_S.name}): {standing['reason']}"
+                    f"({settings.QUEUE_TIMEOUT_S.name}): {standing.reason}"
                 )
             time.sleep(POLL_S)
-            standing = self._call("admission", self.record.job_id)
-        return bool(standing["borrowed"])
+            standing = self._admission()
+        return standing.borrowed
 
     def placed(self, node_ids: list[str]) -> None:
-        self._call("placed", self.record.job_id, node_ids)
+        self._call(lambda service, root: service.placed.remote(root, self.record.job_id, node_ids))
 
     def preemption(self) -> str | None:
         if time.monotonic() < self.next_look:
             return None
         self.next_look = time.monotonic() + PREEMPTION_POLL_S
         try:
-            return self._call("admission", self.record.job_id)["preemption"]
+            return self._admission().preemption
         except QueueUnavailable as e:  # the job runs on; asked again later
             self.say(str(e))
             return None
 
     def requeue(self) -> None:
-        self._call("requeue", self.record.job_id)
+        self._call(lambda service, root: service.requeue.remote(root, self.record.job_id))
 
     def release(self) -> None:
         if self.enqueued:
-            self._call("release", self.record.job_id)
+            self._call(lambda service, root: service.release.remote(root, self.record.job_id))
             self.enqueued = False
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _enqueue(self) -> Admission:
+        return self._call(lambda service, root: service.enqueue.remote(root, self.entry))
+
+    def _admission(self) -> Admission:
+        return self._call(lambda service, root: service.admission.remote(root, self.record.job_id))
+
+    def _call(self, call: Callable[[Any, str], Any]) -> Any:
+        """`call(service, storage root)` made and waited for: the service started again if it
+        is gone, the call made again while our root's storage is out (up to the job's budget)."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -154,8 +163,7 @@ class RayJobQueue:
                     within_team=settings.QUEUE_PREEMPT_WITHIN_TEAM.get(),
                 )  # fmt: skip
             try:
-                call = getattr(self.service, method).remote(self.record.storage_root, *args)
-                return ray.get(call, timeout=CALL_TIMEOUT_S)
+                return ray.get(call(self.service, self.record.storage_root), timeout=CALL_TIMEOUT_S)
             except StorageUnavailable as e:  # the service gave up on our root quickly: we wait
                 if time.monotonic() > outage_until:  # as long as the job's own budget says
                     why = last_line(e)  # through Ray: the remote traceback first

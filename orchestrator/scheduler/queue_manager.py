@@ -5,6 +5,7 @@ the lock, `SnapshotBuilder` reads the cluster."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from orchestrator.scheduler.model import Decision, Waiting
@@ -12,13 +13,19 @@ from orchestrator.scheduler.queue_ledger import QueueLedger
 from orchestrator.storage.queue_store import QueueEntry, QueueStore, Quotas
 
 
+class Standing(str, enum.Enum):
+    QUEUED = "queued"  # with its position and why
+    ADMITTED = "admitted"  # on which nodes, borrowed or not
+    IMPOSSIBLE = "impossible"  # fits the cluster not even when it is empty
+    UNKNOWN = "unknown"  # not in the queue (let go of, or never queued)
+
+
 @dataclass(frozen=True)
 class Admission:
-    """Where a job stands: `queued` (with its position and why), `admitted` (on which nodes,
-    borrowed or not; `preemption`, "preempted by <job>: why", once it is asked to leave),
-    `impossible`, or `unknown`."""
+    """Where a job stands, as the queue service answers it; `preemption`, "preempted by <job>:
+    why", once an admitted job is asked to leave."""
 
-    state: str
+    state: Standing
     position: int | None = None
     reason: str = ""
     placed_on: tuple[str, ...] = ()
@@ -109,12 +116,26 @@ class QueueManager:
     def standing(self, job_id: str) -> Admission:
         entry = self.ledger.get(job_id)
         if entry is None:
-            return Admission("unknown")
+            return Admission(Standing.UNKNOWN)
         if entry.state == "admitted":
-            return Admission("admitted", placed_on=tuple(entry.placed_on),
+            return Admission(Standing.ADMITTED, placed_on=tuple(entry.placed_on),
                              borrowed=entry.borrowed, preemption=entry.preemption)  # fmt: skip
         if job_id in self.last.impossible:
-            return Admission("impossible", reason=self.last.impossible[job_id])
+            return Admission(Standing.IMPOSSIBLE, reason=self.last.impossible[job_id])
         if (waiting := self.waiting.get(job_id)) is not None:
-            return Admission("queued", waiting.position, waiting.reason)
-        return Admission("queued", reason="not yet considered")
+            return Admission(Standing.QUEUED, waiting.position, waiting.reason)
+        return Admission(Standing.QUEUED, reason="not yet considered")
+
+
+@dataclass(frozen=True)
+class ViewedEntry:
+    entry: QueueEntry
+    standing: Admission
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """A root's queue as the service sees it now: quotas, and each entry with its standing."""
+
+    quotas: Quotas
+    entries: tuple[ViewedEntry, ...]

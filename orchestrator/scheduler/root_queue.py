@@ -20,14 +20,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict
-from typing import Any
 
 from orchestrator.scheduler.cluster_reader import ClusterReader
 from orchestrator.scheduler.model import Decision
 from orchestrator.scheduler.orphan_reaper import OrphanReaper
 from orchestrator.scheduler.policy import SchedulingPolicy
-from orchestrator.scheduler.queue_manager import Admission, QueueManager
+from orchestrator.scheduler.queue_manager import Admission, QueueManager, QueueView, ViewedEntry
 from orchestrator.scheduler.queue_view_writer import QueueViewWriter
 from orchestrator.scheduler.snapshot_builder import SnapshotBuilder
 from orchestrator.storage.job_store import JobStore
@@ -60,17 +58,16 @@ class RootQueue:
 
     # -- the controllers' calls -----------------------------------------------------------------
 
-    def enqueue(self, entry: dict[str, Any]) -> dict[str, Any]:
+    def enqueue(self, job: QueueEntry) -> Admission:
         """Queue a job (again: its standing, unchanged) and decide at once."""
-        job = QueueEntry.model_validate(entry)
         with self.lock:
             if self.queue.add(job):
                 self._decide()
             return self.admission(job.job_id)
 
-    def admission(self, job_id: str) -> dict[str, Any]:
+    def admission(self, job_id: str) -> Admission:
         with self.lock:
-            return asdict(self.queue.standing(job_id))
+            return self.queue.standing(job_id)
 
     def placed(self, job_id: str, nodes: list[str]) -> None:
         """Where Ray put the job's bundles (not always the nodes it was admitted to)."""
@@ -83,7 +80,7 @@ class RootQueue:
             if self.queue.release(job_id):
                 self._decide()
 
-    def requeue(self, job_id: str) -> dict[str, Any]:
+    def requeue(self, job_id: str) -> Admission:
         """A preempted job that flushed and let go: back in the queue, keeping its push time."""
         with self.lock:
             if self.queue.requeue(job_id):
@@ -92,7 +89,7 @@ class RootQueue:
 
     # -- what clients ask through the storage root (and tests directly) ---------------------------
 
-    def update_priority(self, job_id: str, priority: int) -> dict[str, Any]:
+    def update_priority(self, job_id: str, priority: int) -> Admission:
         with self.lock:
             if not self.queue.reprioritise(job_id, priority):
                 raise ValueError(f"job {job_id} is not waiting in the queue: only a queued "
@@ -100,17 +97,15 @@ class RootQueue:
             self._decide()
             return self.admission(job_id)
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> QueueView:
         """The queue as `orchestrator queue` shows it, decided now."""
         with self.lock:
             self._decide()
-            return {
-                "quotas": self.queue.quotas,
-                "entries": [
-                    {**e.model_dump(mode="json"), "standing": asdict(self.queue.standing(e.job_id))}
-                    for e in self.queue.entries()
-                ],
-            }
+            entries = self.queue.entries()
+            return QueueView(
+                self.queue.quotas,
+                tuple(ViewedEntry(e, self.queue.standing(e.job_id)) for e in entries),
+            )
 
     # -- inside ---------------------------------------------------------------------------------
 

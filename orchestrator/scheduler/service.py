@@ -16,7 +16,9 @@ from typing import Any
 from orchestrator.scheduler import QUEUE_SERVICE_NAME
 from orchestrator.scheduler.cluster_reader import ClusterReader, RayCluster
 from orchestrator.scheduler.policy import DEFAULT_HOLD_AFTER_S, SchedulingPolicy, WithinTeam
+from orchestrator.scheduler.queue_manager import Admission, QueueView
 from orchestrator.scheduler.root_queue import RootQueue
+from orchestrator.storage.queue_store import QueueEntry
 
 TICK_S = 1.0
 IDLE_EXIT_S = 3600.0  # no root at all this long: the actor ends; the next job starts it again
@@ -41,10 +43,10 @@ class QueueService:
         self.closed = threading.Event()
         threading.Thread(target=self._watching, name="queue-idle", daemon=True).start()
 
-    def enqueue(self, root: str, entry: dict[str, Any]) -> dict[str, Any]:
+    def enqueue(self, root: str, entry: QueueEntry) -> Admission:
         return self._queue(root).enqueue(entry)
 
-    def admission(self, root: str, job_id: str) -> dict[str, Any]:
+    def admission(self, root: str, job_id: str) -> Admission:
         return self._queue(root).admission(job_id)
 
     def placed(self, root: str, job_id: str, nodes: list[str]) -> None:
@@ -53,13 +55,13 @@ class QueueService:
     def release(self, root: str, job_id: str) -> None:
         self._queue(root).release(job_id)
 
-    def requeue(self, root: str, job_id: str) -> dict[str, Any]:
+    def requeue(self, root: str, job_id: str) -> Admission:
         return self._queue(root).requeue(job_id)
 
-    def update_priority(self, root: str, job_id: str, priority: int) -> dict[str, Any]:
+    def update_priority(self, root: str, job_id: str, priority: int) -> Admission:
         return self._queue(root).update_priority(job_id, priority)
 
-    def view(self, root: str) -> dict[str, Any]:
+    def view(self, root: str) -> QueueView:
         return self._queue(root).view()
 
     def close(self) -> None:
