@@ -283,5 +283,5 @@ def test_fifty_small_jobs_from_three_teams_all_run_within_their_quotas(
                     ray.get(service.release.remote(root, job_id))
                     finished.add(job_id)
             time.sleep(0.05)
-        assert ray.get(service.view.remote(root))["entries"] == []
+        assert ray.get(service.view.remote(root)).entries == ()
         ray.kill(service)
