@@ -29,14 +29,9 @@ from orchestrator.controller.attempts import (
 from orchestrator.controller.checkpointing import RankEnding
 from orchestrator.controller.deployment import DeployFailed, Deployment
 from orchestrator.controller.job_run import JobRun, JobStopped, StorageLost
-from orchestrator.controller.node_group import (
-    IMAGE_URI_ENV,
-    NodeGroup,
-    RayNodeGroup,
-    short_error,
-    use_image_uri,
-)
+from orchestrator.controller.node_group import NodeGroup, short_error
 from orchestrator.controller.queueing import JobQueue, RayJobQueue
+from orchestrator.controller.ray_node_group import IMAGE_URI_ENV, RayNodeGroup, use_image_uri
 from orchestrator.controller.session import hold_until, requested_until
 from orchestrator.controller.training_cache import write_back_line
 from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, OUTCOME_NOT_STORED_EXIT, JobState
