@@ -151,7 +151,7 @@ class CheckpointUploader:
             retry.give_up_at = None
         return UploaderFlush(self.tracker.entries(), self.events)
 
-    def begin_attempt(self, number: int, resume: dict[str, Any] | None, newer: list[str]) -> None:
+    def begin_attempt(self, number: int, resume: Manifest | None, newer: list[str]) -> None:
         """Before attempt `number` starts, put this rank at the job's resume point: set aside
         what the last attempt left unfinished and the `newer` checkpoints other ranks lack, so
         a trainer resuming from its newest checkpoint finds the one every rank has; and restore
@@ -160,10 +160,10 @@ class CheckpointUploader:
             raise TimeoutError(f"rank {self.rank}'s checkpoint uploader is not watching")
         with self._lock:
             self.tracker.writer_end = None
-            self._set_aside(number, set(newer), resume["name"] if resume else None)
+            self._set_aside(number, set(newer), resume.name if resume else None)
             if resume is None:
                 return
-            chosen = Manifest.model_validate(resume)
+            chosen = resume
             name, whose = chosen.name, f"rank-{chosen.node_rank}/{chosen.name}"
             if self.tracker.exists(name):
                 return

@@ -10,15 +10,25 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.storage.checkpoints import Manifest
 from orchestrator.storage.records import CheckpointEntry, NodeInfo
 from orchestrator.storage.training_cache import SyncReport
+from orchestrator.storage.weights import WeightSet
+
+
+class MirrorOutcome(str, enum.Enum):
+    """How a source reached the mirror for a job."""
+
+    HIT = "hit"  # already mirrored
+    MISS = "miss"  # this request copied it
+    SHARED = "shared"  # another job's copy in flight was awaited
 
 
 @dataclass(frozen=True)
 class WeightPlacement:
-    """One mirrored weight set (the mirror's `WeightSet` dump) and where the job sees it."""
+    """One mirrored weight set and where the job sees it."""
 
-    weight_set: dict[str, Any]
+    weight_set: WeightSet
     mount_location: str
 
 
@@ -41,7 +51,7 @@ class PrepareRequest:
     sha256: str
     checkpoint_dir: str | None = None  # checkpointing_config.checkpoint_path, when set
     secret_names: tuple[str, ...] = ()  # checked on the node before anything else
-    load: tuple[dict[str, Any], ...] = ()  # manifests of checkpoints to load
+    load: tuple[Manifest, ...] = ()  # the checkpoints to load
     download_folder: str | None = None
     weights: tuple[WeightPlacement, ...] = ()
     cache: CacheRequest | None = None
@@ -202,12 +212,10 @@ class MirrorProgress:
 
 @dataclass(frozen=True)
 class MirrorDone:
-    """The source is in the mirror: its set's manifest (a `WeightSet` dump) and how it got
-    there: "hit" (already mirrored), "miss" (this request copied it), "shared" (another job's
-    copy in flight was awaited)."""
+    """The source is in the mirror: its set's manifest and how it got there."""
 
-    weight_set: dict[str, Any]
-    mirror: str
+    weight_set: WeightSet
+    mirror: MirrorOutcome
 
 
 @dataclass(frozen=True)

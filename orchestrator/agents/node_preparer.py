@@ -31,7 +31,6 @@ from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS
 from orchestrator.storage.root import StorageRoot
-from orchestrator.storage.weights import WeightSet
 
 # Weights and the training cache are imported where a job uses them: every job's agent worker
 # imports this module while the job waits to start (docs/performance.md).
@@ -91,14 +90,14 @@ class NodePreparer:
         cache = self._prepare_cache(request.cache) if request.cache is not None else None
         return cache, tuple(self._place_weights(w) for w in request.weights)
 
-    def _download(self, load: tuple, download_folder: str) -> None:
+    def _download(self, load: tuple[Manifest, ...], download_folder: str) -> None:
         store = CheckpointStore(self.storage)
         folder = (
             self.dirs.loaded_checkpoints
             if download_folder == DEFAULT_DOWNLOAD_FOLDER
             else Path(download_folder)
         )
-        for manifest in map(Manifest.model_validate, load):
+        for manifest in load:
             dest = folder / f"rank-{manifest.node_rank}" / manifest.name
             if dest.exists():
                 shutil.rmtree(dest)
@@ -132,7 +131,7 @@ class NodePreparer:
         self._holds_weights = True
         delivered = ray.get(
             weight_cache_here().deliver.remote(
-                self.storage.url, WeightSet.model_validate(placement.weight_set), self.holder[0]
+                self.storage.url, placement.weight_set, self.holder[0]
             )
         )
         mount = Path(placement.mount_location)

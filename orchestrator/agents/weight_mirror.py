@@ -21,10 +21,9 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from orchestrator import actor_names
-from orchestrator.agents.messages import MirrorDone, MirrorFailed, MirrorProgress
+from orchestrator.agents.messages import MirrorDone, MirrorFailed, MirrorOutcome, MirrorProgress
 from orchestrator.errors import SecretNotFound, SecretStoreError, SourceError
 from orchestrator.node.secrets import SecretMasker, resolve_secret
 from orchestrator.node.weight_sources import Source, first_line, open_source
@@ -76,11 +75,11 @@ class WeightMirror:
         self._flights: dict[str, _Flight] = {}
 
     def mirror(
-        self, storage_root: str, source: dict[str, Any], team: str | None = None
+        self, storage_root: str, source: WeightsSource, team: str | None = None
     ) -> Iterator[MirrorProgress | MirrorDone | MirrorFailed]:
         """Yields MirrorProgress while copying and finally MirrorDone, or MirrorFailed when the
         source cannot be read."""
-        spec = WeightsSource.model_validate(source)
+        spec = source
         try:
             secret = resolve_secret(spec.secret_name, team) if spec.secret_name else None
         except (SecretNotFound, SecretStoreError) as e:
@@ -93,7 +92,7 @@ class WeightMirror:
             key = set_key(src.identity, revision, spec.allow_patterns, spec.ignore_patterns)
             store = MirrorStore(StorageRoot(storage_root))
             if (existing := store.manifest(key)) is not None:
-                yield MirrorDone(existing.model_dump(mode="json"), "hit")
+                yield MirrorDone(existing, MirrorOutcome.HIT)
                 return
             flight_id = f"{storage_root}|{key}"
             with self._lock:
@@ -120,8 +119,11 @@ class WeightMirror:
             yield MirrorFailed(flight.error)
         else:
             assert flight.result is not None
-            how = "hit" if flight.found else "miss" if leader else "shared"
-            yield MirrorDone(flight.result.model_dump(mode="json"), how)
+            how = (
+                MirrorOutcome.HIT if flight.found
+                else MirrorOutcome.MISS if leader else MirrorOutcome.SHARED
+            )  # fmt: skip
+            yield MirrorDone(flight.result, how)
 
     def _copy(
         self,

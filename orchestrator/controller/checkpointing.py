@@ -232,7 +232,7 @@ class Uploaders:
         refs = [
             actor.begin_attempt.remote(
                 number,
-                point.copies[rank].model_dump() if point.name else None,
+                point.copies[rank] if point.name else None,
                 point.newer.get(rank, []),
             )
             for rank, actor in enumerate(self.actors)

@@ -27,6 +27,7 @@ from orchestrator.lifecycle import JobState
 from orchestrator.storage.checkpoints import Manifest
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import Failure
+from orchestrator.storage.weights import WeightSet
 
 
 class DeployFailed(Exception):
@@ -47,7 +48,7 @@ class Deployment:
         self.store = store
         self.queue = queue
         self.scheduling_timeout_s = scheduling_timeout_s
-        self.weight_sets: list[dict[str, Any]] = []  # mirrored sets, in the order of `weights`
+        self.weight_sets: list[WeightSet] = []  # mirrored sets, in the order of `weights`
         self.prepare_request: PrepareRequest | None = None  # a replacement node's, too
 
     def mirror_weights(self) -> None:
@@ -167,7 +168,7 @@ class Deployment:
             secret_names=tuple(
                 sorted({ref.name for ref in job.runtime.secret_references().values()})
             ),
-            load=tuple(m.model_dump() for m in loads),
+            load=tuple(loads),
             download_folder=load_config.download_folder if load_config else None,
             weights=tuple(
                 WeightPlacement(ws, w.normalized_mount)

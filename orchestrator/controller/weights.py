@@ -21,6 +21,7 @@ from orchestrator.agents.services import shared_actor
 from orchestrator.sizes import human_bytes
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.records import NodeDelivery, WeightsStatus
+from orchestrator.storage.weights import WeightSet
 
 REPORT_EVERY_S = 2.0
 
@@ -36,7 +37,7 @@ class _Request:
     spec: WeightsSource
     status: WeightsStatus
     started: float = field(default_factory=time.monotonic)
-    weight_set: dict[str, Any] | None = None
+    weight_set: WeightSet | None = None
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -55,7 +56,7 @@ def mirror_weights(
     say: Callable[[str], None],
     publish: Callable[[list[WeightsStatus]], None],
     should_stop: Callable[[], bool],
-) -> list[dict[str, Any]]:
+) -> list[WeightSet]:
     """Mirror every source (in parallel); the committed sets, in the order of `sources`.
 
     `publish` receives the progress now and then; `should_stop` is polled to abandon the wait.
@@ -68,7 +69,7 @@ def mirror_weights(
     ]
     for request in requests:
         stream = mirror.mirror.options(num_returns="streaming").remote(
-            storage_root, request.spec.model_dump(mode="json"), team
+            storage_root, request.spec, team
         )
         threading.Thread(target=_follow, args=(stream, request), daemon=True).start()
     last_report = time.monotonic()
@@ -130,15 +131,15 @@ def _follow(stream: Any, request: _Request) -> None:
                 request.error = event.error
             else:
                 ws = event.weight_set
-                total = sum(f["size"] for f in ws["files"])
+                total = ws.total_bytes
                 request.weight_set = ws
                 request.status = request.status.model_copy(
                     update={
-                        "revision": ws["revision"],
-                        "mirror": event.mirror,
-                        "files_total": len(ws["files"]),
+                        "revision": ws.revision,
+                        "mirror": event.mirror.value,
+                        "files_total": len(ws.files),
                         "bytes_total": total,
-                        "files_done": len(ws["files"]),
+                        "files_done": len(ws.files),
                         "bytes_done": total,
                     }
                 )
