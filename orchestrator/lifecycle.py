@@ -21,6 +21,19 @@ class JobState(str, enum.Enum):
         return self in TERMINAL_STATES
 
 
+class FaultKind(str, enum.Enum):
+    """What ended an attempt of the job's commands (recorded as `Attempt.cause`)."""
+
+    NODE_LOST = "node_lost"  # a node of the job's placement group died or was removed
+    AGENT_LOST = "agent_lost"  # a node agent's worker died; its node lives on
+    PREEMPTED = "preempted"  # a node was drained with a preemption notice
+    COMMAND_FAILED = "command_failed"  # a start command exited non-zero
+    STOPPED = "stopped"  # by the user
+    # The queue gave its nodes to another job (scheduler/policy.py): back in the queue, not a
+    # fault of the job's or the cluster's, so no retry is used (controller/attempts.py).
+    PREEMPTED_BY_JOB = "preempted_by_job"
+
+
 # A job whose commands all exited 0 but whose checkpoints were not all stored ends COMPLETED
 # with this exit code (the controller's, and `orchestrator push --tail`'s): not a plain success.
 CHECKPOINTS_NOT_STORED_EXIT = 3

@@ -75,7 +75,7 @@ def test_no_circle_of_imports_between_modules():
             if target not in graph:
                 continue  # a name imported from a module, not a module of its own
             if state.get(target) == 1:
-                circles.append(" -> ".join([*path[path.index(target):], target]))
+                circles.append(" -> ".join([*path[path.index(target) :], target]))
             elif target not in state:
                 visit(target, [*path, target])
         state[module] = 2

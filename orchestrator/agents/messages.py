@@ -6,22 +6,18 @@ tuples: a misspelt field is an error where it is written, not a KeyError in a wo
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.storage.checkpoints import Manifest
-from orchestrator.storage.records import CheckpointEntry, NodeInfo
+from orchestrator.storage.records import (
+    CheckpointEntry,
+    DeliveryTier,
+    MirrorOutcome,
+    NodeInfo,
+)
 from orchestrator.storage.training_cache import SyncReport
 from orchestrator.storage.weights import WeightSet
-
-
-class MirrorOutcome(str, enum.Enum):
-    """How a source reached the mirror for a job."""
-
-    HIT = "hit"  # already mirrored
-    MISS = "miss"  # this request copied it
-    SHARED = "shared"  # another job's copy in flight was awaited
 
 
 @dataclass(frozen=True)
@@ -55,14 +51,6 @@ class PrepareRequest:
     download_folder: str | None = None
     weights: tuple[WeightPlacement, ...] = ()
     cache: CacheRequest | None = None
-
-
-class DeliveryTier(str, enum.Enum):
-    """Where a weight set's bytes came from to reach a node."""
-
-    NODE = "node"  # this node's cache had it
-    CLUSTER = "cluster"  # the cluster cache (a shared filesystem)
-    MIRROR = "mirror"  # the mirror in the storage root
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import actor_names, settings
-from orchestrator.agents.messages import Delivered, DeliveryTier
+from orchestrator.agents.messages import Delivered
 from orchestrator.agents.services import actor_alive, shared_actor, this_node_id
 from orchestrator.home import orchestrator_home
 from orchestrator.storage.parallel import parallel_map
+from orchestrator.storage.records import DeliveryTier
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.weight_set_cache import WeightSetCache
 from orchestrator.storage.weights import WeightSet, copy_concurrency, file_path

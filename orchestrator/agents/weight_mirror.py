@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import actor_names
-from orchestrator.agents.messages import MirrorDone, MirrorFailed, MirrorOutcome, MirrorProgress
+from orchestrator.agents.messages import MirrorDone, MirrorFailed, MirrorProgress
 from orchestrator.errors import SecretNotFound, SecretStoreError, SourceError
 from orchestrator.node.secrets import SecretMasker, resolve_secret
 from orchestrator.node.weight_sources import Source, first_line, open_source
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.storage.parallel import parallel_map
+from orchestrator.storage.records import MirrorOutcome
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.weights import (
     MirrorStore,

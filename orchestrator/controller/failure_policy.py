@@ -18,20 +18,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from orchestrator.lifecycle import JobState
+from orchestrator.lifecycle import FaultKind, JobState
 from orchestrator.storage.records import RetryPolicy
-
-
-class FaultKind(str, enum.Enum):
-    NODE_LOST = "node_lost"  # a node of the job's placement group died or was removed
-    AGENT_LOST = "agent_lost"  # a node agent's worker died; its node lives on
-    PREEMPTED = "preempted"  # a node was drained with a preemption notice
-    COMMAND_FAILED = "command_failed"  # a start command exited non-zero
-    STOPPED = "stopped"  # by the user
-    # The queue gave its nodes to another job (scheduler/policy.py): back in the queue, not a
-    # fault of the job's or the cluster's, so no retry is used (controller/attempts.py).
-    PREEMPTED_BY_JOB = "preempted_by_job"
-
 
 INFRASTRUCTURE = frozenset({FaultKind.NODE_LOST, FaultKind.AGENT_LOST})
 

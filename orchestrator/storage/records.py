@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import time
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
-from orchestrator.lifecycle import JobState, check_transition
+from orchestrator.lifecycle import FaultKind, JobState, check_transition
 from orchestrator.spec.training import TrainingProject
 from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.retry import StorageSettings
@@ -103,29 +104,63 @@ class NodeInfo(_Record):
     prepared_for: int = 0  # the attempt this node was prepared for (a replacement's is later)
 
 
+# The fields typed with these enums accept only their values, and hold them as plain strings
+# (`use_enum_values`): f-strings and JSON show "uploaded", never "CheckpointOutcome.UPLOADED".
+_PLAIN_ENUMS = ConfigDict(use_enum_values=True)
+
+
+class DeliveryTier(str, enum.Enum):
+    """Where a weight set's bytes came from to reach a node."""
+
+    NODE = "node"  # this node's cache had it
+    CLUSTER = "cluster"  # the cluster cache (a shared filesystem)
+    MIRROR = "mirror"  # the mirror in the storage root
+
+
+class MirrorOutcome(str, enum.Enum):
+    """How a source reached the mirror for a job."""
+
+    HIT = "hit"  # already mirrored
+    MISS = "miss"  # this request copied it
+    SHARED = "shared"  # another job's copy in flight was awaited
+
+
+class CheckpointOutcome(str, enum.Enum):
+    """What became of one name found in a rank's `$BT_CHECKPOINT_DIR`."""
+
+    UPLOADED = "uploaded"
+    INCOMPLETE = "incomplete"  # stored, marked so
+    FAILED = "failed"
+    PENDING = "pending"  # the flush deadline passed
+    DELETED = "deleted"  # by the job, before it was stored
+    EARLIER_JOB = "earlier_job"  # the directory held it before the job
+    IGNORED = "ignored"  # not a checkpoint
+    RESTORED = "restored"  # another rank's copy, put here for a retried attempt, unchanged
+
+
 class Attempt(_Record):
     """One run of the job's commands (BT_RETRY_COUNT = `number`) and how it ended."""
+
+    model_config = _PLAIN_ENUMS
 
     number: int
     started_at: float
     ended_at: float | None = None
-    cause: str | None = None  # node_lost | agent_lost | preempted | command_failed | ... | None
+    cause: FaultKind | None = None  # None: it completed, or ended over its volume
     reason: str | None = None  # in words, as the job's lines said it
     rank: int | None = None  # the rank that failed or was lost
     node_id: str | None = None  # the node lost or preempted
     resumed_from: str | None = None  # the checkpoint restored for it ("checkpoint-200")
-    decision: str | None = None  # what followed: "retried", "failed: ...", "completed"
+    decision: str | None = None  # what followed, in words: "retried: why", "completed", ...
 
 
 class CheckpointEntry(_Record):
     """What became of one name found in a rank's `$BT_CHECKPOINT_DIR`."""
 
+    model_config = _PLAIN_ENUMS
     rank: int
     name: str
-    # uploaded | incomplete (stored, marked so) | failed | pending (the flush deadline passed)
-    # | deleted (by the job, before it was stored) | earlier_job | ignored (not a checkpoint)
-    # | restored (another rank's copy, put here for a retried attempt and not changed)
-    state: str
+    state: CheckpointOutcome
     reason: str | None = None
     files: int = 0
     size_bytes: int = 0
@@ -185,16 +220,15 @@ class CheckpointSummary(_Record):
         ] + [f"{rank}: failed: {why}" for rank, why in self.failed.items() if "/" not in rank]
 
 
-_STATES = (
-    "uploaded", "incomplete", "failed", "pending", "deleted", "earlier_job", "ignored", "restored",
-)  # fmt: skip
+_STATES = tuple(outcome.value for outcome in CheckpointOutcome)
 
 
 class NodeDelivery(_Record):
-    """How one node got a weight set: "node" (a hit), "cluster" or "mirror" (copied)."""
+    """How one node got a weight set: from its own cache (a hit), the cluster's, or the mirror."""
 
+    model_config = _PLAIN_ENUMS
     rank: int
-    tier: str
+    tier: DeliveryTier
     seconds: float
     bytes_copied: int = 0
 
@@ -202,10 +236,12 @@ class NodeDelivery(_Record):
 class WeightsStatus(_Record):
     """One `weights` entry: its mirror (revision, progress, hit or miss) and each node's copy."""
 
+    model_config = _PLAIN_ENUMS
+
     source: str
     mount_location: str
     revision: str | None = None
-    mirror: str | None = None  # hit | miss | shared (another job's copy in flight)
+    mirror: MirrorOutcome | None = None
     files_total: int = 0
     bytes_total: int = 0
     files_done: int = 0
