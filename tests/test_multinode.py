@@ -25,6 +25,7 @@ from conftest import make_job, simulated_cluster
 from ray.cluster_utils import Cluster
 from test_cli_checkpoints import cli
 
+from orchestrator.agents.messages import Group
 from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.agents.training_cache_seeder import NODE_TRAINING_CACHE_DIR_ENV
 from orchestrator.agents.weight_cache import CLUSTER_CACHE_DIR_ENV, NODE_CACHE_DIR_ENV
@@ -241,15 +242,9 @@ def test_rendezvous_is_a_barrier(gpu_cluster):
         assert not ready, "rank 0 must wait until every rank has joined"
         follower = rendezvous.join.remote(1, "10.0.0.2", None)
         groups = ray.get([leader, follower], timeout=30)
-        assert (
-            groups[0]
-            == groups[1]
-            == {
-                "leader_addr": "10.0.0.1",
-                "master_port": 29555,
-                "addresses": ["10.0.0.1", "10.0.0.2"],
-            }
-        )
+        addresses = ("10.0.0.1", "10.0.0.2")
+        expected = Group(leader_addr="10.0.0.1", master_port=29555, addresses=addresses)
+        assert groups[0] == groups[1] == expected
     finally:
         ray.shutdown()
 
