@@ -57,28 +57,22 @@ from orchestrator.scheduler.model import (
     WithinTeam,
 )
 from orchestrator.scheduler.preemption import minimal_victims, victim_order, why_preempted
-from orchestrator.scheduler.resources import Resources, describe, total
+from orchestrator.scheduler.reasons import (
+    WITHIN_TEAM_SETTING,
+    needs_text,
+    quota_text,
+    room_text,
+    spared_text,
+)
+from orchestrator.scheduler.resources import Resources, total
 from orchestrator.scheduler.shares import borrowed_jobs, order, usage_by_team
 
-__all__ = [
-    "DEFAULT_HOLD_AFTER_S",
-    "WITHIN_TEAM_SETTING",
-    "Admit",
-    "ClusterSnapshot",
-    "Decision",
-    "Demand",
-    "Node",
-    "Preempt",
-    "QueuedJob",
-    "RunningJob",
-    "SchedulingPolicy",
-    "Waiting",
-    "WithinTeam",
-]
+__all__ = ["DEFAULT_HOLD_AFTER_S", "WITHIN_TEAM_SETTING", "Admit", "ClusterSnapshot", "Decision",
+           "Demand", "Node", "Preempt", "QueuedJob", "RunningJob", "SchedulingPolicy", "Waiting",
+           "WithinTeam"]  # fmt: skip
 
 DEFAULT_HOLD_AFTER_S = 600.0
 _NOTHING = Resources()
-WITHIN_TEAM_SETTING = "ORCHESTRATOR_QUEUE_PREEMPT_WITHIN_TEAM"  # settings.py, where it is read
 
 
 class SchedulingPolicy:
@@ -363,13 +357,7 @@ class _Cycle:
         spared = [v.job_id for v in victims or () if v in protected]
         if not spared:
             return ""
-        mode = self.policy.within_team
-        why = (
-            f"preemption within a team is off ({WITHIN_TEAM_SETTING}={mode.value})"
-            if mode is WithinTeam.NEVER
-            else f"they have no checkpointing and would lose their work ({WITHIN_TEAM_SETTING}="
-            f"{mode.value})"
-        )
+        why = spared_text(self.policy.within_team)
         for job_id in spared:
             self.decision.spared.setdefault(job_id, f"not preempted for {job.job_id}: {why}")
         return f"; preempting {', '.join(spared)} of its own team would make room, but {why}"
@@ -437,31 +425,17 @@ class _Cycle:
         return (f"{why}; the {len(kept)} node{'s' if many else ''} closest to holding it "
                 f"{'are' if many else 'is'} kept for it until it starts")  # fmt: skip
 
-    def _needs_text(self, demand: Demand) -> str:
-        if demand.key not in self.texts:
-            need, count = needs(demand)
-            self.texts[demand.key] = f"needs {count} node{'s' if count > 1 else ''} with " + (
-                need.describe()
-            )  # fmt: skip
-        return self.texts[demand.key]
-
     def _why_waiting(self, job: QueuedJob, within: bool) -> str:
         key = ("room", job.demand.key)
         if key not in self.memo:
+            if job.demand.key not in self.texts:
+                self.texts[job.demand.key] = needs_text(job.demand)
             fitting = len(self._fitting(job.demand))
-            self.memo[key] = (
-                f"{self._needs_text(job.demand)} free: "
-                f"{fitting} such node{'' if fitting == 1 else 's'} free"
-            ) + (" (not counting nodes kept for jobs that waited longest)"
-                 if self.decision.reserved else "")  # fmt: skip
+            kept = bool(self.decision.reserved)
+            self.memo[key] = room_text(self.texts[job.demand.key], fitting, kept)
         room = str(self.memo[key])
         if within:
             return room
         quota = self.snap.quotas.get(job.team or "", {})
         used = self.usage.get(job.team, Resources())
-        over = [k for k in quota if used.get(k) + job.demand.total.get(k) > quota[k] + 1e-9]
-        key = over[0] if over else next(iter(quota))
-        return (
-            f"team {job.team} is at its quota of {describe({key: quota[key]})} "
-            f"({used.get(key):g} in use) and the cluster has no idle capacity to lend: {room}"
-        )
+        return quota_text(job.team, quota, used, job.demand.total, room)
