@@ -103,6 +103,10 @@ class StagingError(OrchestratorError):
     """A checkpoint or base model could not be made local on the serving node."""
 
 
+class DeployError(OrchestratorError):
+    """A deployment could not be made, or did not become ready."""
+
+
 def last_line(e: BaseException) -> str:
     """The last line of an error's text, "" if it has none: through Ray an error's text is the
     remote traceback, with the error itself on its last line."""

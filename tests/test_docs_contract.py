@@ -339,8 +339,7 @@ def test_what_the_storage_modules_write_is_in_the_tree(tmp_path):
 
 
 def test_every_orchestrator_error_is_defined_in_errors_py():
-    """A user catches what errors.py defines. DeployError stays in client/deploy.py until that
-    module is free to change (issue 30)."""
+    """A user catches what errors.py defines."""
     bases = {"OrchestratorError"}
     defined: list[tuple[str, str]] = []
     changed = True
@@ -355,7 +354,7 @@ def test_every_orchestrator_error_is_defined_in_errors_py():
                     defined.append((str(path.relative_to(PACKAGE)), node.name))
                     changed = True
     outside = sorted(d for d in defined if d[0] != "errors.py")
-    assert outside == [("client/deploy.py", "DeployError")], (
+    assert outside == [], (
         f"OrchestratorErrors defined outside orchestrator/errors.py: {outside}"
     )
     assert all(hasattr(errors, name) for path, name in defined if path == "errors.py")

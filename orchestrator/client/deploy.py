@@ -22,7 +22,7 @@ from orchestrator.client.config_loader import load_deploy_config
 from orchestrator.client.connection import Connection, connect
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.serve_lock import serve_applications_lock
-from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.errors import ConfigError, DeployError
 from orchestrator.serving.plan import (
     TRANSFORMERS_IMPORT_PATH,
     VLLM_IMPORT_PATH,
@@ -38,10 +38,6 @@ from orchestrator.storage.checkpoints import Manifest
 
 _OURS = (TRANSFORMERS_IMPORT_PATH, VLLM_IMPORT_PATH)
 _POLL_S = 0.5
-
-
-class DeployError(OrchestratorError):
-    """A deployment could not be made, or did not become ready."""
 
 
 @dataclass
