@@ -113,7 +113,8 @@ def test_a_job_whose_local_cluster_died_is_failed_not_running_forever(
         job = push(config, storage_root=storage_root)
         assert job.record.embedded_cluster and job.record.ray_address == info.dashboard_url
         wait_for_line(job, "up")
-        command_pid = int(next(line for line in job.logs() if "pid " in line).split("pid ")[1])
+        # "pid" is printed just after "up" but may be stored in a later batch of lines.
+        command_pid = int(wait_for_line(job, "pid ", anywhere=True).split("pid ")[1])
         power_loss(info.pid, command_pid)  # the cluster crashes: nobody records anything
     finally:
         cluster.stop()
@@ -147,8 +148,12 @@ time.sleep(600)
 """
 
 
-def wait_for_line(job, text: str) -> None:
+def wait_for_line(job, text: str, anywhere: bool = False) -> str:
+    """The first line of the job's log that ends with `text` (holds it, `anywhere`)."""
     deadline = time.monotonic() + 60
-    while not any(line.endswith(text) for line in job.logs()):
+    while True:
+        found = [line for line in job.logs() if (text in line if anywhere else line.endswith(text))]
+        if found:
+            return found[0]
         assert time.monotonic() < deadline, job.logs()
         time.sleep(0.2)
