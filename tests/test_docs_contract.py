@@ -354,7 +354,5 @@ def test_every_orchestrator_error_is_defined_in_errors_py():
                     defined.append((str(path.relative_to(PACKAGE)), node.name))
                     changed = True
     outside = sorted(d for d in defined if d[0] != "errors.py")
-    assert outside == [], (
-        f"OrchestratorErrors defined outside orchestrator/errors.py: {outside}"
-    )
+    assert outside == [], f"OrchestratorErrors defined outside orchestrator/errors.py: {outside}"
     assert all(hasattr(errors, name) for path, name in defined if path == "errors.py")
