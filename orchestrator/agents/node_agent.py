@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from orchestrator import actor_names
-from orchestrator.agents.command_runner import STREAM_BACKLOG, CommandRunner
+from orchestrator.agents.command_runner import CommandRunner
 from orchestrator.agents.job_shell_service import JobShellService
 from orchestrator.agents.messages import (
     CommandsEnded,
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from orchestrator.node.node_metrics import MetricsSampler
     from orchestrator.storage.metrics import RankMetrics, UploadStats
 
-__all__ = ["STREAM_BACKLOG", "TERMINAL_GROUP", "TERMINAL_THREADS", "NodeAgent", "agent_name"]
+__all__ = ["TERMINAL_GROUP", "TERMINAL_THREADS", "NodeAgent", "agent_name"]
 
 # Not RAY_ADDRESS itself: a job may start a Ray head of its own, which that name would confuse.
 RAY_ADDRESS_ENV = "ORCHESTRATOR_RAY_ADDRESS"

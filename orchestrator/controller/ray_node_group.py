@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import actor_names, ray_private, settings
+from orchestrator.agents.command_runner import STREAM_BACKLOG
 from orchestrator.agents.messages import (
     CacheWrittenBack,
     OutputLines,
@@ -28,7 +29,6 @@ from orchestrator.agents.messages import (
     StartRequest,
 )
 from orchestrator.agents.node_agent import (
-    STREAM_BACKLOG,
     TERMINAL_GROUP,
     TERMINAL_THREADS,
     NodeAgent,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from orchestrator import settings
 from orchestrator.scheduler.fitting import needs
 from orchestrator.scheduler.model import Demand, WithinTeam
 from orchestrator.scheduler.resources import Resources, describe
 
-WITHIN_TEAM_SETTING = "ORCHESTRATOR_QUEUE_PREEMPT_WITHIN_TEAM"  # settings.py, where it is read
+WITHIN_TEAM_SETTING = settings.QUEUE_PREEMPT_WITHIN_TEAM.name
 
 
 def needs_text(demand: Demand) -> str:
