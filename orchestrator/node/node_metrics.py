@@ -90,6 +90,7 @@ class GpuProbe:
         self.handles: dict[int, Any] = {}
         self.names: dict[int, str] = {}
         self._nvml: Any = None
+        self._memory_v2 = True  # until the binding or the driver shows it has no v2
         if not visible:
             return
         try:
@@ -116,7 +117,7 @@ class GpuProbe:
         for index, handle in self.handles.items():
             try:
                 util = self._nvml.nvmlDeviceGetUtilizationRates(handle)
-                memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                memory = self._memory(handle)
             except Exception:
                 continue
             sample = GpuSample(
@@ -125,6 +126,21 @@ class GpuProbe:
             )  # fmt: skip
             found.append(sample)
         return found
+
+    def _memory(self, handle: Any) -> Any:
+        """The device's memory as `nvidia-smi` counts it. NVML's first memory call counts the
+        driver's reserved memory (480 MiB on an H100 with driver 580) as used, so an idle GPU read
+        480 MiB and every sample that much above nvidia-smi's (seen on the device, 2026-11-27);
+        its v2 gives the reserved memory apart. A binding or driver without v2: the first call."""
+        nvml = self._nvml
+        if self._memory_v2:
+            try:
+                return nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+            except Exception:
+                memory = nvml.nvmlDeviceGetMemoryInfo(handle)  # this failing too: the GPU's error
+                self._memory_v2 = False  # v1 answers where v2 does not: no v2 here
+                return memory
+        return nvml.nvmlDeviceGetMemoryInfo(handle)
 
     def close(self) -> None:
         if self._nvml is not None:
