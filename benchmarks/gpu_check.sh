@@ -10,8 +10,9 @@
 #    type: each must end DEPLOY_FAILED with the shortfall named.
 #
 # Usage: benchmarks/gpu_check.sh [WHEEL_DIR]   (results under $OUT, or /tmp/gpu-check)
-# WHEEL_DIR: wheels of what the machine lacks (Ray, pydantic, ...), installed into /tmp/site; the
-# device tool's README says how to download them. Ray's wheel is over the 64 MiB a call carries:
+# WHEEL_DIR (absolute, or relative to the repository's root, where the script runs): wheels of
+# what the machine lacks (Ray, pydantic, ...), installed into /tmp/site; the device tool's README
+# says how to download them. Ray's wheel is over the 64 MiB a call carries:
 # repack it without ray/jars and ray/rllib (Java and RLlib, unused here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,8 +50,9 @@ grep -n "accelerator=\|node_count\|run.sh" "$job/config.py"
 (while sleep 0.5; do nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader; done) \
   > "$out/nvidia-smi-apps.log" 2>&1 &
 watcher=$!
-(while sleep 0.5; do nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits; done) \
-  > "$out/nvidia-smi-gpu.csv" 2>&1 &
+(while sleep 0.5; do
+   nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits | sed "s/^/$(date +%s.%N), /"
+ done) > "$out/nvidia-smi-gpu.csv" 2>&1 &
 gpu_watcher=$!
 start=$(date +%s%N)
 ORCHESTRATOR_METRICS_INTERVAL_S=1 orch push "$job/config.py" --tail 2>&1 | tee "$out/ddp-gpu.log" | grep -v "^\s*$" | tail -n 14
@@ -60,17 +62,43 @@ orch metrics --project ddp-gpu -o json > "$out/ddp-gpu-metrics.json" 2>/dev/null
 python3 - "$out" <<'PY'
 import csv, json, sys
 out = sys.argv[1]
-smi = [r for r in csv.reader(open(f"{out}/nvidia-smi-gpu.csv")) if len(r) == 3]
-ours = [(g["index"], g["utilization_pct"], g["memory_used_bytes"] / 2**20)
+smi = [(float(t), i, u, m) for t, i, u, m in
+       (r for r in csv.reader(open(f"{out}/nvidia-smi-gpu.csv")) if len(r) == 4)]
+ours = [(s["at"], g["index"], g["utilization_pct"], g["memory_used_bytes"] / 2**20)
         for r in json.load(open(f"{out}/ddp-gpu-metrics.json"))["ranks"]
         for s in r["samples"] for g in s.get("gpus", [])]
 def summary(name, rows):
-    busy = [float(u) for _, u, _ in rows if float(u) > 0]
-    print(f"{name}: {len(rows)} samples, GPUs {sorted({str(i).strip() for i, _, _ in rows})}, "
-          f"peak memory {max((float(m) for _, _, m in rows), default=0):.0f} MiB, "
+    busy = [float(u) for _, _, u, _ in rows if float(u) > 0]
+    print(f"{name}: {len(rows)} samples, GPUs {sorted({str(i).strip() for _, i, _, _ in rows})}, "
+          f"idle memory (first sample) {float(rows[0][3]) if rows else 0:.0f} MiB, "
+          f"peak memory {max((float(m) for _, _, _, m in rows), default=0):.0f} MiB, "
           f"mean utilisation while busy {sum(busy) / max(len(busy), 1):.0f}%")
 summary("nvidia-smi", smi)
 summary("orchestrator metrics", ours)
+# Each of our samples between nvidia-smi's samples just before and just after it: memory is a
+# level and must lie between them (to 8 MiB); where both agree (memory steady), the difference
+# is what our figure gets wrong. Utilisation is a mean over each tool's own window: rough only.
+smi.sort()
+steady, between, outside, pairs = [], 0, [], []
+for o in ours:
+    before = [s for s in smi if s[0] <= o[0]]
+    after = [s for s in smi if s[0] > o[0]]
+    if not before or not after:
+        continue
+    b, a = before[-1], after[0]
+    lo, hi = sorted((float(b[3]), float(a[3])))
+    if hi - lo <= 8:
+        steady.append(o[3] - (lo + hi) / 2)
+    elif lo - 8 <= o[3] <= hi + 8:
+        between += 1
+    else:
+        outside.append((round(o[3]), lo, hi))
+    if o[2] or float(b[2]) or float(a[2]):
+        pairs.append(f"{o[2]:.0f}/{b[2].strip()}-{a[2].strip()}")
+print(f"memory, ours against nvidia-smi: {len(steady)} samples while steady, differences "
+      f"{min(steady, default=0):+.0f} to {max(steady, default=0):+.0f} MiB; {between} while it "
+      f"changed, between nvidia-smi's samples before and after; {len(outside)} outside {outside}")
+print("utilisation, ours / nvidia-smi's before-after, where either is above 0: " + " ".join(pairs))
 PY
 echo "nvidia-smi saw on the GPU while the job ran:"; sort -u "$out/nvidia-smi-apps.log" | head -n 5
 grep -o "CUDA_VISIBLE_DEVICES=[^ ]*\|gpu=.*\|backend=[a-z]*" "$out/ddp-gpu.log" | sort | uniq -c
