@@ -33,9 +33,28 @@ def draining_nodes() -> dict[str, float]:
 
 
 def dashboard_address() -> str | None:
-    """The dashboard (Job API) address of the cluster this process is connected to."""
+    """The dashboard (Job API) address of the cluster this process is connected to, as the
+    dashboard itself published it in the GCS (a worker's own node info may say the default
+    port, not the one the head was started with)."""
+    published = _private("ray._private.services", "get_webui_url_from_internal_kv")()
+    if published:
+        return published
     worker = _private("ray._private.worker", "global_worker")
     return worker.node.address_info.get("webui_url")
+
+
+def kv_get(key: bytes) -> bytes | None:
+    """A value in the GCS's internal key-value store (it outlives any actor)."""
+    return _private("ray.experimental.internal_kv", "_internal_kv_get")(key, namespace=_KV_NS)
+
+
+def kv_put(key: bytes, value: bytes) -> None:
+    _private("ray.experimental.internal_kv", "_internal_kv_put")(
+        key, value, overwrite=True, namespace=_KV_NS
+    )
+
+
+_KV_NS = "orchestrator"
 
 
 def _private(module: str, name: str) -> Any:

@@ -11,10 +11,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 from conftest import eventually, make_job, simulated_cluster
 from ray.cluster_utils import Cluster
+from ray.job_submission import JobSubmissionClient
 
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.client.api import push
@@ -137,12 +139,60 @@ def test_the_queue_orders_by_priority_then_push_and_survives_its_service(
 
     gate.touch()
     for handle in (blocker, *pushed.values()):
-        assert handle.wait(timeout=120) == JobState.COMPLETED, handle.logs()
+        assert handle.wait(timeout=120) == JobState.COMPLETED, (
+            handle.details().failure,
+            handle.logs()[-5:],
+        )
     started = sorted(pushed, key=lambda name: running_at(pushed[name]))
     assert started == ["second", "urgent", "first"]
     assert all(deploys(handle) == 1 for handle in pushed.values())  # admitted once each
     stored = QueueStore(StorageRoot(root))  # each lets go just after its end is recorded
     eventually(lambda: stored.entries() == [], "every job to leave the queue", 30)
+
+
+def controller_processes(job_ids: set[str]) -> set[str]:
+    """The jobs of `job_ids` that have a process on this machine (their controller's command
+    line names the job; so does a JobSupervisor's)."""
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        found |= {job_id for job_id in job_ids if job_id in line}
+    return found
+
+
+def test_queued_jobs_hold_no_process_and_answer_at_once(h100s, tmp_path, monkeypatch):
+    cluster, address = h100s
+    root = str(tmp_path / "storage")
+    gate = tmp_path / "gate"
+    blocker = push(job(tmp_path / "blocker", WAIT_FOR_GATE.format(gate=gate), nodes=4),
+                   address=address, storage_root=root)  # fmt: skip
+    eventually(lambda: blocker.status() == JobState.RUNNING, "the blocker to run", 60)
+    queued = [push(job(tmp_path / f"q{i}", "echo ran", nodes=4), address=address,
+                   storage_root=root) for i in range(6)]  # fmt: skip
+    ids = {handle.id for handle in queued}
+    # In the queue the moment push returns: listed, re-prioritised, stopped.
+    assert {row["job_id"] for row in queue(storage_root=root)} == ids
+    last = queued[-1]
+    assert update_priority(last.id, 7, storage_root=root) == 7
+    assert queued[0].stop(timeout=10) == JobState.STOPPED
+    assert not any("ran" in line for line in queued[0].logs())
+    eventually(lambda: all(h.status() == JobState.PENDING for h in queued[1:]), "PENDING", 30)
+    assert "waiting in the queue (position 1)" in last.details().history[-1].reason
+
+    assert controller_processes(ids) == set()  # no controller, no Ray job, no supervisor
+    ray_jobs = {j.submission_id for j in JobSubmissionClient(address).list_jobs()}
+    assert ray_jobs & ids == set() and blocker.id in ray_jobs
+
+    with connected(cluster, monkeypatch):  # the service's process dies: Ray starts it again
+        service = ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
+        ray.kill(service, no_restart=False)
+    gate.touch()
+    for handle in queued[1:]:
+        assert handle.wait(timeout=120) == JobState.COMPLETED, handle.logs()
+    assert queued[0].status() == JobState.STOPPED
+    assert min(queued[1:], key=running_at) is last  # its priority counted
+    info = JobSubmissionClient(address).get_job_info(last.id)  # a running job is a Ray job
+    assert info.metadata["orchestrator_project"] == "queue"
 
 
 def _actor_id(name: str):

@@ -32,11 +32,13 @@ def actor_alive(name: str) -> bool:
 
 
 def shared_actor(
-    cls: type, name: str, *, pinned_here: bool, max_concurrency: int, args: tuple = ()
-) -> Any:
+    cls: type, name: str, *, pinned_here: bool, max_concurrency: int, args: tuple = (),
+    max_restarts: int = 0,
+) -> Any:  # fmt: skip
     """The detached actor `name` of class `cls`, started if it is not running.
 
     `pinned_here` keeps it on the caller's node: for actors that look after that node's disk.
+    `max_restarts`: how often Ray starts it again when its process dies (-1: always).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -48,6 +50,7 @@ def shared_actor(
         "get_if_exists": True,
         "num_cpus": 0,
         "max_concurrency": max_concurrency,
+        "max_restarts": max_restarts,
     }
     if pinned_here:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(this_node_id(), soft=False)

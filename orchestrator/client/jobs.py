@@ -21,6 +21,7 @@ from orchestrator.storage import layout
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest, ManifestFile
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.logs import read_logs
+from orchestrator.storage.queue_store import QueueEntry, QueueStore
 from orchestrator.storage.records import Attempt, Failure, JobRecord, JobStatus
 
 if TYPE_CHECKING:
@@ -135,9 +136,12 @@ class JobHandle:
             time.sleep(FOLLOW_POLL_LOCAL_S if self._store.root.is_local else POLL_S)
 
     def stop(self, timeout: float = 90) -> JobState:
-        """Stop the job (SIGTERM to its commands, SIGKILL after a grace period) and wait."""
+        """Stop the job (SIGTERM to its commands, SIGKILL after a grace period) and wait. A job
+        that waits in the queue with no controller yet is stopped by the queue service."""
         if (state := self.refresh().state).is_terminal:
             return state
+        if (waiting := self._waiting_entry()) is not None:
+            return stop_waiting(self._store, waiting, timeout)
         client = self._client()
         try:
             client.stop_job(self.id)
@@ -263,6 +267,11 @@ class JobHandle:
             raise OrchestratorError(f"could not run a command in job {self.id}: {why[0]}")
         return code, logs.split(OUTPUT_MARKER + "\n", 1)[1]
 
+    def _waiting_entry(self) -> QueueEntry | None:
+        queue = QueueStore(self._store.root)
+        entry = queue.entry(self.id) or queue.incoming_entry(self.id)
+        return entry if entry is not None and entry.awaits_controller else None
+
     def _client(self) -> Any:
         address = self.record.ray_address
         if address is None:
@@ -283,6 +292,26 @@ class JobHandle:
             return _GONE if self.record.embedded_cluster else None
         except Exception:
             return None
+
+
+def stop_waiting(store: JobStore, entry: QueueEntry, timeout: float) -> JobState:
+    """Ask the queue service to stop a job that has no controller, and wait for its end. With no
+    service watching the root, nothing can start the job meanwhile: it is ended here."""
+    queue = QueueStore(store.root)
+    queue.request_stop(entry.job_id, time.time())
+    deadline = time.monotonic() + timeout
+    while not (state := store.status(entry.job_id).state).is_terminal:
+        if entry.cluster is None or not queue.watched_by(entry.cluster):
+            queue.drop_incoming(entry.job_id)
+            queue.remove(entry.job_id)  # no service holds it in memory now
+            status = store.status(entry.job_id)
+            if not status.state.is_terminal:
+                store.put_status(status.moved_to(JobState.STOPPED, "stopped by user"))
+            continue
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {entry.job_id} is still {state.value} after {timeout} s")
+        time.sleep(POLL_S / 4)
+    return state
 
 
 def _choose(job: JobHandle, name: str | None, rank: int | None) -> Manifest:

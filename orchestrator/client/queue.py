@@ -60,7 +60,7 @@ def capacity(*, storage_root: str | None = None) -> dict[str, Any]:
     totals and free resources as the queue service last saw them (empty before it has)."""
     store = QueueStore(storage(storage_root))
     quotas = store.quotas()
-    entries = store.entries()
+    entries = all_entries(store)
     teams: dict[str, dict[str, Any]] = {}
     for team in sorted({*quotas, *(e.team or NO_TEAM for e in entries)}):
         mine = [e for e in entries if (e.team or NO_TEAM) == team]
@@ -101,7 +101,7 @@ def queue(*, include_running: bool = False, storage_root: str | None = None) -> 
     impossible = view.impossible if view else {}
     spared = view.spared if view else {}
     rows: list[tuple[tuple[int, int], dict]] = []  # (tier, position): sorted stably
-    for e in store.entries():  # oldest push first
+    for e in all_entries(store):  # oldest push first
         if e.state == "admitted":
             if include_running:
                 rows.append(((0, 0), _row(e, "admitted", None, _running_reason(e, spared))))
@@ -123,10 +123,11 @@ def update_priority(
     root = storage(storage_root)
     state = JobStore(root).status(job_id).state
     store = QueueStore(root)
-    entry = store.entry(job_id)
-    if state != JobState.PENDING or entry is None or entry.state != "queued":
+    entry = store.entry(job_id) or store.incoming_entry(job_id)
+    waiting = state in (JobState.CREATED, JobState.PENDING)  # CREATED: pushed, not yet taken
+    if not waiting or entry is None or entry.state != "queued":
         standing = state.value
-        if state == JobState.PENDING:
+        if waiting:
             standing += " but admitted already" if entry else " but not in the queue"
         raise OrchestratorError(f"job {job_id} is {standing}: only a PENDING job waiting in the "
                                 "queue can be re-prioritised")  # fmt: skip
@@ -152,6 +153,13 @@ def update_priority(
                                 f"priority is still {entry.priority}")  # fmt: skip
     raise OrchestratorError(f"job {job_id} left the queue before its priority change was "
                             "applied: it has started or ended")  # fmt: skip
+
+
+def all_entries(store: QueueStore) -> list[QueueEntry]:
+    """The service's entries and the pushed jobs it has not taken yet, oldest push first."""
+    entries = {e.job_id: e for e in store.incoming()}
+    entries.update((e.job_id, e) for e in store.entries())
+    return sorted(entries.values(), key=lambda e: (e.pushed_at, e.job_id))
 
 
 def demand_text(entry: QueueEntry) -> str:

@@ -17,9 +17,11 @@ from orchestrator.client.prepare import PreparedJob
 from orchestrator.client.workspace import write_archive
 from orchestrator.errors import OrchestratorError, SubmitError
 from orchestrator.lifecycle import JobState
+from orchestrator.scheduler.entries import entry_for
 from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.projects import ProjectRecord, ProjectStore
+from orchestrator.storage.queue_store import Launch, QueueStore
 from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus, RetryPolicy
 from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.root import StorageRoot
@@ -187,30 +189,58 @@ def check_recreatable(earlier: JobRecord, root: StorageRoot) -> None:
 
 
 def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) -> None:
-    """Submit a stored job's controller as a Ray job (submission id = job id); a refusal is
-    recorded as DEPLOY_FAILED, then raised."""
+    """Put a stored job in the cluster's queue: it is queued from the moment this returns, with
+    no process of its own; the queue service starts its controller (a Ray job, submission id =
+    job id) once it is admitted. Where no service watches the root yet (the cluster's first
+    push to it), or the job mirrors weights while it waits, its controller is submitted now,
+    and starts the service. A refusal is recorded as DEPLOY_FAILED, then raised."""
     job_id = record.job_id
-    image = record.spec.job.image.base_image
+    launch = Launch(
+        entrypoint=controller_entrypoint(job_id, root, connection),
+        metadata={
+            "orchestrator_project": record.project,
+            "orchestrator_job_name": record.job_name or "",
+            "orchestrator_storage_root": root.url,
+            "base_image": record.spec.job.image.base_image,
+        },
+    )
+    queue = QueueStore(root)
     try:
+        session = cluster_session(connection)
+        start_now = bool(record.spec.job.weights)
+        entry = entry_for(
+            record, launch=launch, cluster=session, queue_timeout_s=record.queue_timeout_s,
+            launched_at=time.time() if start_now else None,
+        )  # fmt: skip
+        queue.put_incoming(entry)  # queued from here on; a service takes it
+        if not start_now and queue.watched_by(session):
+            return
+        if not start_now:  # nobody may take it: it is ours to start (the service's, if it does)
+            queue.put_incoming(entry.model_copy(update={"launched_at": time.time()}))
         submit_ray_job(
-            connection.client,
-            connection.address,
-            job_id,
-            entrypoint=controller_entrypoint(job_id, root, connection),
-            metadata={
-                "orchestrator_project": record.project,
-                "orchestrator_job_name": record.job_name or "",
-                "orchestrator_storage_root": root.url,
-                "base_image": image,
-            },
-            entrypoint_num_cpus=0,
-        )
+            connection.client, connection.address, job_id, entrypoint=launch.entrypoint,
+            metadata=launch.metadata, entrypoint_num_cpus=0,
+        )  # fmt: skip
     except Exception as e:
+        queue.drop_incoming(job_id)
         store = JobStore(root)
         failure = Failure(cause=str(e))
         status = store.status(job_id).moved_to(JobState.DEPLOY_FAILED, failure.cause)
         store.put_status(status.model_copy(update={"failure": failure}))
         raise
+
+
+def cluster_session(connection: Connection) -> str:
+    """The Ray cluster's session name, from its Job API (what its queue service beats with)."""
+    import requests
+
+    try:
+        response = connection.client()._do_request("GET", "/api/version")
+        response.raise_for_status()
+        return str(response.json()["session_name"])
+    except (ConnectionError, requests.exceptions.ConnectionError, RuntimeError) as e:
+        raise SubmitError(f"the Ray cluster at {connection.address} does not answer: "
+                          f"{_one_line(e)}") from e  # fmt: skip
 
 
 # What Ray's Job API answers while a head that has just started cannot take jobs yet: nothing

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator import settings
 from orchestrator.agents.messages import PreparedNode, PrepareRequest, WeightPlacement
 from orchestrator.controller.checkpointing import CheckpointNotFound, resolve_checkpoints
 from orchestrator.controller.job_run import JobRun
@@ -24,6 +23,7 @@ from orchestrator.controller.training_cache import (
 )
 from orchestrator.controller.weights import WeightsUnavailable, mirror_weights, record_deliveries
 from orchestrator.lifecycle import JobState
+from orchestrator.scheduler.reasons import never_fits_cause
 from orchestrator.storage.checkpoints import Manifest
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import Failure
@@ -110,13 +110,7 @@ class Deployment:
                 self.run.record.queue_timeout_s, self._pending, self.run.check_stop
             )
         except NeverFits as e:
-            autoscales = settings.CLUSTER_AUTOSCALES.name
-            cause = (
-                f"cannot be placed on this cluster even when it is idle: {e}. If nodes join on "
-                f"demand (an autoscaler), set {autoscales}=1 in the head node's `ray start` "
-                "environment and such a job waits for them"
-            )
-            raise DeployFailed(Failure(cause=cause)) from None
+            raise DeployFailed(Failure(cause=never_fits_cause(str(e)))) from None
         except (QueueTimeout, QueueUnavailable) as e:
             raise DeployFailed(Failure(cause=str(e))) from None
         if borrowed:

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 
 from orchestrator import settings
 from orchestrator.errors import StorageUnavailable, last_line
-from orchestrator.scheduler.cluster_view import bundle_of
+from orchestrator.scheduler.entries import entry_for
 from orchestrator.scheduler.queue_manager import Admission, Standing
+from orchestrator.scheduler.reasons import queue_timeout_cause
 from orchestrator.storage.queue_store import QueueEntry
 from orchestrator.storage.records import JobRecord
 
@@ -60,19 +61,10 @@ class JobQueue(Protocol):
 
 
 def queue_entry(record: JobRecord, ray_job_id: str | None) -> QueueEntry:
-    compute = record.spec.job.compute
-    return QueueEntry(
-        job_id=record.job_id,
-        team=record.team,
-        priority=record.spec.job.priority or 0,
-        pushed_at=record.created_at,
-        bundle=bundle_of(compute),
-        nodes=compute.node_count,
-        colocated=record.colocate_ranks and compute.node_count > 1,
-        resumable=record.spec.job.runtime.checkpointing_config.enabled,
-        ray_job_id=ray_job_id,
+    return entry_for(
+        record, ray_job_id=ray_job_id,
         submission_id=os.environ.get("RAY_JOB_SUBMISSION_ID") or record.job_id,
-    )
+    )  # fmt: skip
 
 
 class RayJobQueue:
@@ -110,10 +102,7 @@ class RayJobQueue:
                 shown = reason
             check_stop()
             if deadline is not None and time.monotonic() > deadline:
-                raise QueueTimeout(
-                    f"waited in the queue longer than its {timeout_s:g} s queue timeout "
-                    f"({settings.QUEUE_TIMEOUT_S.name}): {standing.reason}"
-                )
+                raise QueueTimeout(queue_timeout_cause(timeout_s, standing.reason))
             time.sleep(POLL_S)
             standing = self._admission()
         return standing.borrowed

@@ -1,36 +1,78 @@
-"""Jobs whose controller died (`OrphanReaper`): a queue entry whose Ray driver is gone ends
-FAILED in the job's status, saying why, and leaves the queue, so what it held is freed for the
-jobs that wait."""
+"""Jobs whose controller died (`OrphanReaper`): a queue entry whose Ray driver is gone, or whose
+controller the service started and whose Ray job ended before it came, ends FAILED in the job's
+status, saying why, and leaves the queue, so what it held is freed for the jobs that wait."""
 
 from __future__ import annotations
+
+import time
 
 from orchestrator.errors import JobNotFound
 from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.cluster_reader import ClusterReader
+from orchestrator.scheduler.launcher import MISSING, ControllerLauncher
 from orchestrator.scheduler.queue_manager import QueueManager
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.queue_store import QueueEntry
-from orchestrator.storage.records import Failure
+from orchestrator.storage.records import Failure, JobStatus
+
+MISSING_GRACE_S = 60.0  # a started controller's Ray job Ray does not know yet: not gone before
 
 
 class OrphanReaper:
     """Finds the dead drivers through the cluster, records the ends in the root's job store."""
 
-    def __init__(self, cluster: ClusterReader, jobs: JobStore) -> None:
+    def __init__(
+        self, cluster: ClusterReader, jobs: JobStore, launcher: ControllerLauncher | None = None
+    ) -> None:
         self.cluster = cluster
         self.jobs = jobs
+        self.launcher = launcher
 
     def reap(self, queue: QueueManager) -> list[str]:
         """Every orphan failed and released; their job ids."""
         alive = self.cluster.live_drivers()
         reaped = []
         for entry in queue.entries():
-            if entry.ray_job_id is None or entry.ray_job_id in alive:
+            if entry.ray_job_id is None:
+                if not self._never_came(entry):
+                    continue
+            elif entry.ray_job_id in alive:
                 continue
-            self._fail(entry)
+            else:
+                self._fail(entry)
             queue.release(entry.job_id)
             reaped.append(entry.job_id)
         return reaped
+
+    def _never_came(self, entry: QueueEntry) -> bool:
+        """A controller the service started whose Ray job ended before it enqueued: failed."""
+        if entry.launched_at is None or self.launcher is None:
+            return False
+        ended = self.launcher.ended(entry.job_id)
+        if ended is None:
+            return False
+        # Marked started before the submit call goes out (the push's, or the service's pool's).
+        if ended == MISSING and time.time() - entry.launched_at < MISSING_GRACE_S:
+            return False
+        cause = (
+            f"the job's controller (Ray job {entry.job_id}) ended before it started the job: "
+            f"{ended}"
+        )
+        self._record_failed(entry.job_id, cause)
+        return True
+
+    def _record_failed(self, job_id: str, cause: str) -> None:
+        try:
+            status = self.jobs.status(job_id)
+        except (JobNotFound, FileNotFoundError):
+            return
+        if not status.state.is_terminal:
+            self._put_failed(status, cause)
+
+    def _put_failed(self, status: JobStatus, cause: str) -> None:
+        self.jobs.put_status(status.moved_to(JobState.FAILED, cause).model_copy(
+            update={"failure": Failure(cause=cause)}
+        ))  # fmt: skip
 
     def _fail(self, entry: QueueEntry) -> None:
         try:
@@ -47,6 +89,4 @@ class OrphanReaper:
             f"{where} without recording an end: its Ray job was stopped or killed, or the head "
             "node restarted; what it held was released"
         )
-        self.jobs.put_status(status.moved_to(JobState.FAILED, cause).model_copy(
-            update={"failure": Failure(cause=cause)}
-        ))  # fmt: skip
+        self._put_failed(status, cause)

@@ -49,11 +49,15 @@ class QueueManager:
     # -- what controllers and clients ask -----------------------------------------------------
 
     def add(self, job: QueueEntry) -> bool:
-        """Queue a job; False when it is queued already (its standing is unchanged)."""
-        if job.job_id in self.ledger:
-            return False
-        self.ledger.put(job)
-        return True
+        """Queue a job; False when it is queued already (its standing is unchanged, but a
+        controller that comes to a job pushed before is recorded as its driver)."""
+        entry = self.ledger.get(job.job_id)
+        if entry is None:
+            self.ledger.put(job)
+            return True
+        if job.ray_job_id is not None and entry.ray_job_id != job.ray_job_id:
+            self.ledger.update(entry, ray_job_id=job.ray_job_id, submission_id=job.submission_id)
+        return False
 
     def placed(self, job_id: str, nodes: list[str]) -> None:
         entry = self.ledger.get(job_id)

@@ -43,3 +43,21 @@ def spared_text(mode: WithinTeam) -> str:
     return (
         f"they have no checkpointing and would lose their work ({WITHIN_TEAM_SETTING}={mode.value})"
     )
+
+
+def never_fits_cause(why: str) -> str:
+    """A job's DEPLOY_FAILED cause when it fits the cluster not even when it is idle."""
+    autoscales = settings.CLUSTER_AUTOSCALES.name
+    return (
+        f"cannot be placed on this cluster even when it is idle: {why}. If nodes join on "
+        f"demand (an autoscaler), set {autoscales}=1 in the head node's `ray start` "
+        "environment and such a job waits for them"
+    )
+
+
+def queue_timeout_cause(timeout_s: float, why: str) -> str:
+    """A job's DEPLOY_FAILED cause when it waited past its queue timeout."""
+    return (
+        f"waited in the queue longer than its {timeout_s:g} s queue timeout "
+        f"({settings.QUEUE_TIMEOUT_S.name}): {why}"
+    )

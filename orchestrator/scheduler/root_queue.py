@@ -1,10 +1,14 @@
 """The queue of one storage root (`RootQueue`): its parts wired together under one lock, and
 the thread that ticks it.
 
-Controllers `enqueue` their job, poll `admission` until it says admitted (or impossible), say
-where Ray `placed` it, and `release` it when the job ends; an admitted job polls `admission`
-too, for a `preemption`. Every change is written to the storage root before it is answered
-(`QueueLedger`), so a service that is killed and started again rebuilds the same queues.
+A pushed job arrives as a file (`queue/incoming/`), with no process of its own: the queue
+takes it, writes why it waits into its status (`JobNotes`), and when the policy admits it,
+starts its controller (`ControllerLauncher`). Stops of such jobs arrive as files too. A
+controller `enqueue`s its job (one started by `ray job submit ... orchestrator run` comes with
+no file), polls `admission` until it says admitted (or impossible), says where Ray `placed` it,
+and `release`s it when the job ends; an admitted job polls `admission` too, for a `preemption`.
+Every change is written to the storage root before it is answered (`QueueLedger`), so a
+service that is killed and started again rebuilds the same queues.
 
 The parts, each tested alone: `QueueManager` (which jobs wait and run, their standings),
 `SnapshotBuilder` (what the policy decides on, the cluster read through a `ClusterReader`),
@@ -20,21 +24,27 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.cluster_reader import ClusterReader
+from orchestrator.scheduler.job_notes import JobNotes
+from orchestrator.scheduler.launcher import ControllerLauncher, LaunchFailed
 from orchestrator.scheduler.model import Decision
 from orchestrator.scheduler.orphan_reaper import OrphanReaper
 from orchestrator.scheduler.policy import SchedulingPolicy
 from orchestrator.scheduler.queue_manager import Admission, QueueManager, QueueView, ViewedEntry
 from orchestrator.scheduler.queue_view_writer import QueueViewWriter
+from orchestrator.scheduler.reasons import never_fits_cause, queue_timeout_cause
 from orchestrator.scheduler.snapshot_builder import SnapshotBuilder
 from orchestrator.storage.job_store import JobStore
-from orchestrator.storage.queue_store import QueueEntry, QueueStore
+from orchestrator.storage.queue_store import BEAT_S, QueueEntry, QueueStore
 from orchestrator.storage.retry import StorageRetry
 from orchestrator.storage.root import StorageRoot
 
 STORAGE_BUDGET_S = 10.0  # how long the queue rides out its root's outage before a call fails
 IDLE_DROP_S = 60.0  # a root with nothing queued or admitted this long is forgotten (memory)
+ARRIVALS_POLL_S = {True: 0.05, False: 0.5}  # a local root / an object store: look for pushes
 
 __all__ = ["IDLE_DROP_S", "STORAGE_BUDGET_S", "Admission", "RootQueue"]
 
@@ -45,16 +55,24 @@ class RootQueue:
     def __init__(
         self, storage_root: str, policy: SchedulingPolicy, cluster: ClusterReader,
         autoscaling: bool = False, storage_budget_s: float = STORAGE_BUDGET_S,
+        launcher: ControllerLauncher | None = None,
     ) -> None:  # fmt: skip
         self.root = StorageRoot(storage_root, StorageRetry(storage_root, storage_budget_s))
-        store = QueueStore(self.root)
+        self.store = store = QueueStore(self.root)
         self.queue = QueueManager(store)
         self.snapshots = SnapshotBuilder(cluster, autoscaling)
-        self.reaper = OrphanReaper(cluster, JobStore(self.root))
+        jobs = JobStore(self.root)
+        self.reaper = OrphanReaper(cluster, jobs, launcher)
         self.view_writer = QueueViewWriter(store)
+        self.notes = JobNotes(jobs)
+        self.launcher = launcher
+        self.session = launcher.session() if launcher is not None else None
+        # Submitting a controller is an HTTP call to the Job API: never under the lock.
+        self.launches = ThreadPoolExecutor(4, thread_name_prefix="queue-launch")
         self.policy = policy
         self.lock = threading.RLock()  # the calls and the ticking thread
         self.idle_since = time.monotonic()
+        self.last_beat = 0.0
 
     # -- the controllers' calls -----------------------------------------------------------------
 
@@ -110,19 +128,101 @@ class RootQueue:
     # -- inside ---------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        """What no call brings: requests, quotas, dead controllers, resources freed."""
+        """What no call brings: pushed jobs and stops, requests, quotas, dead controllers,
+        resources freed; and the service's sign of life."""
+        self._take_arrivals()
         self.queue.take_requests()
         self.queue.reload_quotas()
-        self.reaper.reap(self.queue)
+        for job_id in self.reaper.reap(self.queue):
+            self.notes.settle(job_id)
         self._decide()
+        self._beat()
+
+    def _take_arrivals(self) -> None:
+        """Pushed jobs into the queue (unless stopped before they were taken), then stops."""
+        if self.launcher is None:  # no way to start a controller: pushes are for a service
+            return
+        for entry in self.store.take_incoming(self.session):
+            self.queue.add(entry)
+        for request in self.store.take_stops():
+            self._stop(request.job_id)
+
+    def _stop(self, job_id: str) -> None:
+        entry = self.queue.ledger.get(job_id)
+        if entry is None:  # it left the queue meanwhile (started and ended)
+            return
+        if entry.awaits_controller:
+            self.notes.end(job_id, JobState.STOPPED, "stopped by user", failed=False)
+            self.queue.release(job_id)
+        elif self.launcher is not None:  # its controller stops it, flushing what it holds
+            self.launches.submit(self.launcher.stop, job_id)
 
     def _decide(self) -> Decision:
-        now = time.time()
-        snap = self.snapshots.build(self.queue.entries(), self.queue.quotas, now)
-        decision = self.policy.decide(snap)
-        self.queue.carry_out(decision, now)
-        self.view_writer.show(decision, snap.nodes, now)
-        return decision
+        """Decide; then act for the jobs that have no controller: start those admitted, write
+        why the others wait, end those that never fit or waited too long (and decide again,
+        as what they held is free)."""
+        while True:
+            now = time.time()
+            snap = self.snapshots.build(self.queue.entries(), self.queue.quotas, now)
+            decision = self.policy.decide(snap)
+            self.queue.carry_out(decision, now)
+            self.view_writer.show(decision, snap.nodes, now)
+            if not self._act_for_waiting(decision, now):
+                return decision
+
+    def _act_for_waiting(self, decision: Decision, now: float) -> bool:
+        """What the service does for jobs without a controller; whether any left the queue."""
+        left = False
+        waiting = {w.job_id: w for w in decision.waiting}
+        for entry in self.queue.entries():
+            if not entry.awaits_controller:
+                continue
+            job_id = entry.job_id
+            if entry.state == "admitted":
+                self.queue.ledger.update(entry, launched_at=now)  # stored before it is started
+                self.launches.submit(self._launch, self.queue.ledger[job_id])
+            elif job_id in decision.impossible:
+                self.notes.end(job_id, JobState.DEPLOY_FAILED,
+                               never_fits_cause(decision.impossible[job_id]))  # fmt: skip
+                left |= self.queue.release(job_id)
+            elif (w := waiting.get(job_id)) is not None:
+                timeout = entry.queue_timeout_s
+                if timeout is not None and now - entry.pushed_at > timeout:
+                    self.notes.end(job_id, JobState.DEPLOY_FAILED,
+                                   queue_timeout_cause(timeout, w.reason))  # fmt: skip
+                    left |= self.queue.release(job_id)
+                else:
+                    self.notes.pending(
+                        job_id, f"waiting in the queue (position {w.position}): {w.reason}"
+                    )
+        return left
+
+    def _launch(self, entry: QueueEntry) -> None:
+        """Start an admitted job's controller (a pool thread); a refusal ends the job."""
+        assert self.launcher is not None
+        self.notes.settle(entry.job_id)  # from here on its controller writes its status
+        try:
+            if self.notes.ended(entry.job_id):  # stopped by a client while no service ran
+                self._leave(entry.job_id)
+                return
+            self.launcher.launch(entry)
+        except LaunchFailed as e:
+            cause = f"the job's controller could not be started: {e}"
+            self.notes.end(entry.job_id, JobState.DEPLOY_FAILED, cause)
+            self._leave(entry.job_id)
+        except Exception:
+            traceback.print_exc()
+
+    def _leave(self, job_id: str) -> None:
+        with self.lock:
+            if self.queue.release(job_id):
+                self._decide()
+
+    def _beat(self) -> None:
+        if self.session is None or time.monotonic() - self.last_beat < BEAT_S:
+            return
+        self.store.beat(self.session, time.time())
+        self.last_beat = time.monotonic()
 
     # -- ticking --------------------------------------------------------------------------------
 
@@ -136,14 +236,38 @@ class RootQueue:
         return stop
 
     def _ticking(self, tick_s: float, forget: Callable[[], None], stop: threading.Event) -> None:
-        while not stop.wait(tick_s):
+        """A tick every `tick_s`, sooner when a push, stop or request arrives."""
+        poll_s = min(tick_s, ARRIVALS_POLL_S[self.root.is_local])
+        next_tick = time.monotonic()
+        while not stop.wait(poll_s):
             try:
+                due = time.monotonic() >= next_tick
+                if not due and not self._watched_arrivals():
+                    continue
+                next_tick = time.monotonic() + tick_s
                 with self.lock:
-                    if self.queue.ledger:
+                    if self.queue.ledger or not due or self._watched_arrivals():
                         self.idle_since = time.monotonic()
                         self.tick()
-                    elif time.monotonic() - self.idle_since > IDLE_DROP_S:
+                    elif time.monotonic() - self.idle_since > IDLE_DROP_S and self._let_go():
                         forget()  # its state is all in the storage root
                         return
+                    else:
+                        self._beat()
             except Exception:  # a storage outage, a GCS hiccup: said, and tried again
                 traceback.print_exc()
+
+    def _watched_arrivals(self) -> bool:
+        return self.launcher is not None and self.store.arrivals()
+
+    def _let_go(self) -> bool:
+        """Stop watching an idle root: its beat goes first, so a push made from now on starts
+        a service itself; one that came before is still seen (then the root is kept)."""
+        if self.session is not None:
+            self.store.forget_beat(self.session)
+        if self._watched_arrivals():
+            self.last_beat = 0.0
+            return False
+        self.notes.close()
+        self.launches.shutdown(wait=False)
+        return True

@@ -1,6 +1,11 @@
 """The queue service: one detached actor per cluster (`orchestrator-queue`, on the head) that
-keeps one queue per storage root (`RootQueue`, scheduler/root_queue.py) and reads the cluster
-from Ray (`RayCluster`, scheduler/cluster_reader.py) unless handed another `ClusterReader`.
+keeps one queue per storage root (`RootQueue`, scheduler/root_queue.py), reads the cluster from
+Ray (`RayCluster`, scheduler/cluster_reader.py) and starts admitted jobs' controllers through the
+Job API (`RayJobLauncher`, scheduler/launcher.py), unless handed other ones.
+
+The roots it watches are kept in the GCS too (`KNOWN_ROOTS_KEY`): Ray restarts the actor when
+its process dies, and the new one watches the same roots at once, so jobs that wait with no
+process of their own are taken on again without anyone calling.
 
 Each root ticks on its own thread (requests, quotas, dead controllers, resources freed without a
 call) and has its own lock, and its storage calls give up after a short budget: one storage root
@@ -9,12 +14,16 @@ that hangs (an outage) holds up only its own queue; every other root admits as b
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import traceback
 from typing import Any
 
+from orchestrator import ray_private
 from orchestrator.scheduler import QUEUE_SERVICE_NAME
 from orchestrator.scheduler.cluster_reader import ClusterReader, RayCluster
+from orchestrator.scheduler.launcher import ControllerLauncher, RayJobLauncher
 from orchestrator.scheduler.policy import DEFAULT_HOLD_AFTER_S, SchedulingPolicy, WithinTeam
 from orchestrator.scheduler.queue_manager import Admission, QueueView
 from orchestrator.scheduler.root_queue import RootQueue
@@ -22,6 +31,7 @@ from orchestrator.storage.queue_store import QueueEntry
 
 TICK_S = 1.0
 IDLE_EXIT_S = 3600.0  # no root at all this long: the actor ends; the next job starts it again
+KNOWN_ROOTS_KEY = b"orchestrator/queue-roots"
 
 __all__ = ["QUEUE_SERVICE_NAME", "QueueService", "RayCluster", "start_queue_service"]
 
@@ -32,16 +42,27 @@ class QueueService:
     def __init__(
         self, hold_after_s: float = DEFAULT_HOLD_AFTER_S, autoscaling: bool = False,
         tick_s: float = TICK_S, within_team: str = WithinTeam.NEVER.value,
-        cluster: ClusterReader | None = None,
+        cluster: ClusterReader | None = None, launcher: ControllerLauncher | None = None,
     ) -> None:  # fmt: skip
+        """Without `cluster` it runs in Ray: Ray's cluster, the Job API, the GCS's list of
+        roots; with one (tests), only what it is handed."""
         self.policy = SchedulingPolicy(hold_after_s, WithinTeam(within_team))
         self.autoscaling, self.tick_s = autoscaling, tick_s
+        in_ray = cluster is None
         self.cluster = cluster or RayCluster()
+        self.launcher = launcher or (RayJobLauncher() if in_ray else None)
+        self.known = GcsRoots() if in_ray else None
         self.queues: dict[str, RootQueue] = {}
         self.stops: dict[str, threading.Event] = {}
         self.lock = threading.Lock()  # the dicts only
         self.closed = threading.Event()
         threading.Thread(target=self._watching, name="queue-idle", daemon=True).start()
+        if self.known is not None:
+            threading.Thread(target=self._resume, name="queue-resume", daemon=True).start()
+
+    def watch(self, root: str) -> None:
+        """Watch `root` for pushed jobs (a push to a root no service watches asks this)."""
+        self._queue(root)
 
     def enqueue(self, root: str, entry: QueueEntry) -> Admission:
         return self._queue(root).enqueue(entry)
@@ -77,13 +98,15 @@ class QueueService:
         if queue is not None:
             return queue
         # Read from the storage root outside the dicts' lock: another root's calls go on.
-        fresh = RootQueue(root, self.policy, self.cluster, self.autoscaling)
+        fresh = RootQueue(root, self.policy, self.cluster, self.autoscaling,
+                          launcher=self.launcher)  # fmt: skip
         with self.lock:
             queue = self.queues.setdefault(root, fresh)
             if queue is fresh:
                 self.stops[root] = fresh.start_ticking(
                     self.tick_s, lambda: self._forget(root, fresh)
                 )
+                self._remember()
         return queue
 
     def _forget(self, root: str, queue: RootQueue) -> None:
@@ -91,6 +114,21 @@ class QueueService:
             if self.queues.get(root) is queue:
                 del self.queues[root]
                 self.stops.pop(root, None)
+                self._remember()
+
+    def _remember(self) -> None:
+        """The roots watched, in the GCS (under the dicts' lock)."""
+        if self.known is not None:
+            self.known.put(sorted(self.queues))
+
+    def _resume(self) -> None:
+        """A restarted service watches the roots its predecessor did."""
+        assert self.known is not None
+        for root in self.known.get():
+            try:
+                self._queue(root)
+            except Exception:  # that root is out: the next push or controller brings it back
+                traceback.print_exc()
 
     def _watching(self) -> None:
         """Ends the actor after IDLE_EXIT_S without any root (its name is free for the next)."""
@@ -105,6 +143,17 @@ class QueueService:
 
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
+
+
+class GcsRoots:
+    """The watched roots in the GCS's key-value store: they outlive the actor's process."""
+
+    def get(self) -> list[str]:
+        raw = ray_private.kv_get(KNOWN_ROOTS_KEY)
+        return list(json.loads(raw)) if raw else []
+
+    def put(self, roots: list[str]) -> None:
+        ray_private.kv_put(KNOWN_ROOTS_KEY, json.dumps(roots).encode())
 
 
 def start_queue_service(
@@ -123,4 +172,5 @@ def start_queue_service(
         pass
 
     return shared_actor(QueueService, QUEUE_SERVICE_NAME, pinned_here=True, max_concurrency=16,
-                        args=(hold_after_s, autoscaling, tick_s, within_team))  # fmt: skip
+                        args=(hold_after_s, autoscaling, tick_s, within_team),
+                        max_restarts=-1)  # fmt: skip

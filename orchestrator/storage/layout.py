@@ -41,7 +41,10 @@ TREE: tuple[tuple[str, str], ...] = (
     ("weights/<key>/manifest.json", "WeightSet: written last, the commit"),
     ("queue/quotas.json", "each team's quota (storage/queue_store.py)"),
     ("queue/entries/<job_id>.json", "QueueEntry: a job waiting or admitted"),
+    ("queue/incoming/<job_id>.json", "QueueEntry of a pushed job the service has not taken yet"),
     ("queue/requests/<job_id>.json", "PriorityRequest from `update --priority`"),
+    ("queue/stops/<job_id>.json", "StopRequest: `stop` of a job that has no controller yet"),
+    ("queue/services/<session>.json", "ServiceBeat: a queue service watches this root"),
     ("queue/view.json", "QueueView: the queue service's last decision"),
     (
         "serving/<model>/adapters/<adapter>/<path>",

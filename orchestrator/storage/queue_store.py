@@ -3,7 +3,12 @@
 queue/quotas.json             {team: {"GPU:H100": 16, "CPU": 128, "memory": bytes}}; written by
                               `capacity set` (the client), read by the service each tick
 queue/entries/<job_id>.json   QueueEntry, rewritten on every change, removed when the job leaves
+queue/incoming/<job_id>.json  QueueEntry written by `push`: the job is queued from that moment;
+                              the service takes it into entries/ (no process waits for it)
 queue/requests/<job_id>.json  PriorityRequest from `update --priority`, taken by the service
+queue/stops/<job_id>.json     StopRequest from `stop` of a job that has no controller yet
+queue/services/<session>.json ServiceBeat: a queue service of that Ray cluster session watches
+                              this root (rewritten every few seconds)
 queue/view.json               QueueView: the service's last decision (positions, reasons) and
                               the cluster's nodes, for `queue` and `capacity view`
 
@@ -16,7 +21,8 @@ write requests and read what the service wrote.
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
+import time
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,10 +30,24 @@ from orchestrator.storage.root import StorageRoot
 
 QUOTAS = "queue/quotas.json"
 ENTRIES = "queue/entries"
+INCOMING = "queue/incoming"
 REQUESTS = "queue/requests"
+STOPS = "queue/stops"
+SERVICES = "queue/services"
 VIEW = "queue/view.json"
 
 Quotas = dict[str, dict[str, float]]
+BEAT_S = 2.0  # a watching service rewrites its beat this often
+BEAT_STALE_S = 10.0  # a beat older than this: no service of that session watches the root
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class Launch(BaseModel):
+    """How the service starts a job's controller once the job is admitted: a Ray job (the
+    dashboard lists it) with this entrypoint and metadata, the job id its submission id."""
+
+    entrypoint: str
+    metadata: dict[str, str] = Field(default_factory=dict)
 
 
 class QueueEntry(BaseModel):
@@ -51,11 +71,32 @@ class QueueEntry(BaseModel):
     resumable: bool = False  # it checkpoints: a preemption costs it little
     ray_job_id: str | None = None  # the controller's Ray driver: gone while listed = it died
     submission_id: str | None = None  # the Ray job (the dashboard's id) running the controller
+    launch: Launch | None = None  # pushed: the service starts the controller when admitted
+    launched_at: float | None = None  # when the service submitted that Ray job
+    cluster: str | None = None  # the Ray session it was pushed to: only its service takes it
+    queue_timeout_s: float | None = None  # pushed: the service ends it after waiting this long
+
+    @property
+    def awaits_controller(self) -> bool:
+        """Pushed, and no controller of its own yet: the service speaks and acts for it."""
+        return self.launch is not None and self.ray_job_id is None and self.launched_at is None
 
 
 class PriorityRequest(BaseModel):
     job_id: str
     priority: int
+    at: float
+
+
+class StopRequest(BaseModel):
+    job_id: str
+    at: float
+
+
+class ServiceBeat(BaseModel):
+    """A queue service's sign of life in a root it watches."""
+
+    session: str
     at: float
 
 
@@ -140,18 +181,75 @@ class QueueStore:
 
     def take_requests(self) -> list[PriorityRequest]:
         """The service's side: every request, removed as it is read."""
-        taken = []
-        for name in self.root.list_names(REQUESTS):
-            if not name.endswith(".json"):  # a local root's file still being written
-                continue
-            rel = f"{REQUESTS}/{name}"
-            try:
-                taken.append(PriorityRequest.model_validate_json(self.root.read_bytes(rel)))
-            except FileNotFoundError:
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                self.root.remove(rel)
-        return sorted(taken, key=lambda r: r.at)
+        return sorted(self._take(REQUESTS, PriorityRequest), key=lambda r: r.at)
+
+    # -- pushed jobs, stops and the service's beat ----------------------------------------------
+
+    def put_incoming(self, entry: QueueEntry) -> None:
+        self.root.write_bytes(f"{INCOMING}/{entry.job_id}.json", entry.model_dump_json().encode())
+
+    def incoming(self) -> list[QueueEntry]:
+        """Pushed jobs no service has taken yet (a read: clients show them as queued)."""
+        return self._read_all(INCOMING, QueueEntry)
+
+    def incoming_entry(self, job_id: str) -> QueueEntry | None:
+        try:
+            return QueueEntry.model_validate_json(self.root.read_bytes(f"{INCOMING}/{job_id}.json"))
+        except FileNotFoundError:
+            return None
+
+    def take_incoming(self, cluster: str | None) -> list[QueueEntry]:
+        """The service's side: pushed jobs for `cluster` (or for any), oldest first, removed as
+        read. Another cluster's are left to its service, unless no service of that cluster
+        beats here and the job is older than a beat (that cluster's head restarted: a new
+        session)."""
+        now = time.time()
+        mine = [
+            e for e in self.incoming()
+            if e.cluster in (None, cluster) or (
+                e.launched_at is None and now - e.pushed_at > BEAT_STALE_S
+                and not self.watched_by(e.cluster)
+            )
+        ]  # fmt: skip
+        for entry in mine:
+            self.drop_incoming(entry.job_id)
+        return sorted(mine, key=lambda e: (e.pushed_at, e.job_id))
+
+    def drop_incoming(self, job_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.root.remove(f"{INCOMING}/{job_id}.json")
+
+    def request_stop(self, job_id: str, at: float) -> None:
+        request = StopRequest(job_id=job_id, at=at)
+        self.root.write_bytes(f"{STOPS}/{job_id}.json", request.model_dump_json().encode())
+
+    def take_stops(self) -> list[StopRequest]:
+        return sorted(self._take(STOPS, StopRequest), key=lambda r: r.at)
+
+    def arrivals(self) -> bool:
+        """Whether anything waits for the service: a pushed job, a stop or a priority request."""
+        return any(
+            any(n.endswith(".json") for n in self.root.list_names(folder))
+            for folder in (INCOMING, STOPS, REQUESTS)
+        )
+
+    def beat(self, session: str, at: float) -> None:
+        beat = ServiceBeat(session=session, at=at)
+        self.root.write_bytes(f"{SERVICES}/{session}.json", beat.model_dump_json().encode())
+
+    def forget_beat(self, session: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.root.remove(f"{SERVICES}/{session}.json")
+
+    def watched_by(self, session: str) -> bool:
+        """Whether a queue service of that Ray cluster session beat here lately."""
+        try:
+            beat = ServiceBeat.model_validate_json(
+                self.root.read_bytes(f"{SERVICES}/{session}.json")
+            )
+        except FileNotFoundError:
+            return False
+        return time.time() - beat.at < BEAT_STALE_S
 
     def write_view(self, view: QueueView) -> None:
         self.root.write_bytes(VIEW, view.model_dump_json().encode())
@@ -162,6 +260,29 @@ class QueueStore:
             return QueueView.model_validate_json(self.root.read_bytes(VIEW))
         except FileNotFoundError:
             return None
+
+    def _read_all(self, folder: str, model: type[_M]) -> list[_M]:
+        return [item for _, item in self._read_named(folder, model)]
+
+    def _read_named(self, folder: str, model: type[_M]) -> list[tuple[str, _M]]:
+        found = []
+        for name in self.root.list_names(folder):
+            if not name.endswith(".json"):  # a local root's file still being written
+                continue
+            try:
+                data = self.root.read_bytes(f"{folder}/{name}")
+            except FileNotFoundError:  # taken while listed
+                continue
+            found.append((f"{folder}/{name}", model.model_validate_json(data)))
+        return found
+
+    def _take(self, folder: str, model: type[_M]) -> list[_M]:
+        """Every item, removed as it is read (the service's side of a request folder)."""
+        taken = self._read_named(folder, model)
+        for rel, _ in taken:
+            with contextlib.suppress(FileNotFoundError):
+                self.root.remove(rel)
+        return [item for _, item in taken]
 
 
 def _entry(job_id: str) -> str:

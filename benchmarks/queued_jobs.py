@@ -1,0 +1,255 @@
+"""What a queued job costs the head, against a bare Ray job that waits.
+
+    .venv/bin/python benchmarks/queued_jobs.py [--jobs N] [--bare N] [--run-all]
+
+Starts a private embedded cluster (stopped at the end) and pushes a blocker that holds every CPU
+until a gate file appears, so everything pushed after it waits in the queue. Then:
+
+1. baseline, in the same run: `--bare` bare Ray jobs whose entrypoint waits (`python -c
+   "...sleep..."`), what a waiting job costs when it is a Ray job (a JobSupervisor and a driver
+   process), as every pushed job was before the queue held them; measured, then stopped;
+2. `--jobs` pushes (`orchestrator.push`) of a one-line job: the machine's used memory and its
+   process count before and after, each push's time, the time until every job is PENDING (the
+   queue service took it);
+3. `orchestrator queue` over them, a priority change applied (`update_priority`: request,
+   the service's tick and decision, the entry rewritten), a stop of a queued job;
+4. the queue service's process killed: the time until Ray has started it again and it applies a
+   request, and whether every job is still queued, in the same order;
+5. with `--run-all`: the gate opened, and every job must end COMPLETED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+from common import code_state
+
+from orchestrator.client.api import push
+from orchestrator.client.jobs import JobHandle
+from orchestrator.client.queue import queue, update_priority
+from orchestrator.cluster.local import LocalCluster, embedded_env
+from orchestrator.lifecycle import JobState
+
+CONFIG = """\
+from orchestrator import definitions as d
+
+project = d.TrainingProject(
+    name="bench-queued",
+    job=d.TrainingJob(
+        image=d.Image(base_image="python:3.11"),
+        compute=d.Compute(cpu_count={cpus}, memory="64Mi"),
+        runtime=d.Runtime(start_commands=[{command!r}]),
+    ),
+)
+"""
+GATE_WAIT = (
+    "python -c \"import pathlib,time\nwhile not pathlib.Path('{gate}').exists(): time.sleep(0.1)\""
+)
+MIB = 2**20
+
+
+def used_memory() -> float:
+    """The machine's used memory (what the head pays, on a one-machine cluster), in MiB."""
+    return (psutil.virtual_memory().total - psutil.virtual_memory().available) / MIB
+
+
+def settle(seconds: float = 3.0) -> tuple[float, int]:
+    """Memory (MiB) and process count once the machine has been quiet a moment."""
+    time.sleep(seconds)
+    return used_memory(), len(psutil.pids())
+
+
+def until(predicate: Callable[[], bool], what: str, timeout: float = 600) -> float:
+    """Seconds until `predicate` holds."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"{what}: not after {timeout:g} s")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def job_dir(work: Path, name: str, cpus: int, command: str) -> Path:
+    directory = work / name
+    directory.mkdir()
+    (directory / "config.py").write_text(CONFIG.format(cpus=cpus, command=command))
+    return directory / "config.py"
+
+
+def timed(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def bare_waiting_jobs(address: str, count: int) -> tuple[float, int, float]:
+    """Memory (MiB) and processes per waiting bare Ray job, and the median submit time."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    before_mem, before_procs = settle()
+    ids, submits = [], []
+    for _ in range(count):
+        started = time.perf_counter()
+        ids.append(
+            client.submit_job(
+                entrypoint="python -c 'import time; time.sleep(600)'", entrypoint_num_cpus=0
+            )
+        )
+        submits.append(time.perf_counter() - started)
+    until(
+        lambda: all(str(client.get_job_status(i).value) == "RUNNING" for i in ids),
+        "the bare jobs to run",
+        120,
+    )
+    after_mem, after_procs = settle(5.0)
+    for job_id in ids:
+        client.stop_job(job_id)
+    until(
+        lambda: all(str(client.get_job_status(i).value) == "STOPPED" for i in ids),
+        "the bare jobs to stop",
+        120,
+    )
+    return (
+        (after_mem - before_mem) / count,
+        (after_procs - before_procs) / count,
+        statistics.median(submits),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=200, help="jobs pushed into the queue")
+    parser.add_argument("--bare", type=int, default=10, help="waiting bare Ray jobs (baseline)")
+    parser.add_argument("--run-all", action="store_true", help="open the gate, run them all")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-queued-"))
+    os.environ.pop("RAY_ADDRESS", None)
+    os.environ.update(embedded_env())
+    os.environ["ORCHESTRATOR_HOME"] = str(work / "home")
+    os.environ["ORCHESTRATOR_NODE_ROOT"] = str(work / "nodes")
+    root = str(work / "storage")
+    cluster = LocalCluster(state_dir=work / "home" / "local-cluster")
+    print(
+        f"code {code_state()}; cpus {os.cpu_count()}, memory "
+        f"{psutil.virtual_memory().total / 2**30:.1f} GiB, load {os.getloadavg()[0]:.2f}"
+    )
+    try:
+        info = cluster.start()
+        cpus = int(os.cpu_count() or 2)
+        gate = work / "gate"
+        blocker = push(
+            job_dir(work, "blocker", cpus, GATE_WAIT.format(gate=gate)), storage_root=root
+        )
+        until(lambda: blocker.status() == JobState.RUNNING, "the blocker to run", 120)
+
+        bare_mem, bare_procs, bare_submit = bare_waiting_jobs(info.dashboard_url, args.bare)
+        print(
+            f"\nbaseline: {args.bare} bare Ray jobs waiting: {bare_mem:.1f} MiB and "
+            f"{bare_procs:.1f} processes each; submit_job median {bare_submit * 1e3:.1f} ms"
+        )
+
+        config = job_dir(work, "queued", 1, "echo ran")
+        before_mem, before_procs = settle()
+        handles: list[JobHandle] = []
+        pushes = []
+        for _ in range(args.jobs):
+            started = time.perf_counter()
+            handles.append(push(config, storage_root=root))
+            pushes.append(time.perf_counter() - started)
+        taken = until(
+            lambda: all(h.status() == JobState.PENDING for h in handles), "every job PENDING"
+        )
+        after_mem, after_procs = settle(5.0)
+        per_job = (after_mem - before_mem) / args.jobs
+        print(
+            f"\n{args.jobs} pushed jobs queued: push median {statistics.median(pushes) * 1e3:.1f}"
+            f" ms (p90 {statistics.quantiles(pushes, n=10)[-1] * 1e3:.1f} ms); every one PENDING "
+            f"{taken:.2f} s after the last push returned"
+        )
+        print(
+            f"  machine memory {before_mem:.0f} -> {after_mem:.0f} MiB: "
+            f"{after_mem - before_mem:+.0f} MiB in all, {per_job:+.2f} MiB a job "
+            f"({per_job / bare_mem:.3f}x a waiting bare Ray job's)"
+        )
+        print(
+            f"  processes {before_procs} -> {after_procs} ({after_procs - before_procs:+d}; a "
+            f"waiting bare Ray job: {bare_procs:+.1f} each)"
+        )
+
+        listing = [timed(lambda: queue(storage_root=root)) for _ in range(5)]
+        rows = queue(storage_root=root)
+        print(f"  `queue` over {len(rows)} waiting jobs: median {statistics.median(listing):.3f} s")
+        order = [row["job_id"] for row in rows]
+        last = handles[-1]
+        applied = [
+            timed(lambda p=p: update_priority(last.id, p, storage_root=root)) for p in (1, 2, 3)
+        ]
+        print(
+            f"  a priority change applied (request -> tick -> decision -> entry): median "
+            f"{statistics.median(applied) * 1e3:.0f} ms"
+        )
+        stops = [timed(lambda h=h: h.stop(timeout=60)) for h in handles[:3]]
+        assert all(h.status() == JobState.STOPPED for h in handles[:3])
+        print(
+            f"  a queued job stopped (stop() -> STOPPED): median "
+            f"{statistics.median(stops) * 1e3:.0f} ms"
+        )
+
+        order = [row["job_id"] for row in queue(storage_root=root)]
+        restart = restart_service(
+            info.gcs_address, lambda: update_priority(last.id, 4, storage_root=root, timeout_s=120)
+        )
+        kept = [row["job_id"] for row in queue(storage_root=root)]
+        print(
+            f"  queue service process killed: Ray started it again and it applied a request "
+            f"{restart:.2f} s later; the {len(kept)} waiting jobs "
+            f"{'kept their order' if kept == order else 'CHANGED ORDER'}"
+        )
+
+        if args.run_all:
+            gate.touch()
+            started = time.monotonic()
+            ended = [h.wait(timeout=3600) for h in handles[3:]]
+            done = sum(state == JobState.COMPLETED for state in ended)
+            print(
+                f"\ngate opened: {done} of {len(ended)} COMPLETED in "
+                f"{time.monotonic() - started:.1f} s"
+            )
+        print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
+    finally:
+        cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def restart_service(gcs_address: str, applied: Callable[[], object]) -> float:
+    """Kill the queue service's process (Ray restarts it); seconds until `applied` succeeds."""
+    import ray
+
+    from orchestrator.agents.services import NAMESPACE
+    from orchestrator.scheduler import QUEUE_SERVICE_NAME
+
+    ray.init(address=gcs_address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        service = ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
+        pid = ray.get(service.__ray_call__.remote(lambda self: os.getpid()))
+        started = time.monotonic()
+        psutil.Process(pid).kill()
+    finally:
+        ray.shutdown()
+    applied()
+    return time.monotonic() - started
+
+
+if __name__ == "__main__":
+    sys.exit(main())

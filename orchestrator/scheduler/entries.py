@@ -1,0 +1,24 @@
+"""A job's queue entry, made from its record: by `push` (the job has no process while it waits)
+and by a controller that enqueues its own job."""
+
+from __future__ import annotations
+
+from orchestrator.scheduler.cluster_view import bundle_of
+from orchestrator.storage.queue_store import QueueEntry
+from orchestrator.storage.records import JobRecord
+
+
+def entry_for(record: JobRecord, **fields: object) -> QueueEntry:
+    """What the queue needs of the job (team, priority, per-node bundle, ...), and `fields`."""
+    compute = record.spec.job.compute
+    return QueueEntry.model_validate({
+        "job_id": record.job_id,
+        "team": record.team,
+        "priority": record.spec.job.priority or 0,
+        "pushed_at": record.created_at,
+        "bundle": bundle_of(compute),
+        "nodes": compute.node_count,
+        "colocated": record.colocate_ranks and compute.node_count > 1,
+        "resumable": record.spec.job.runtime.checkpointing_config.enabled,
+        **fields,
+    })  # fmt: skip
