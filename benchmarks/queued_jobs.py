@@ -15,7 +15,9 @@ until a gate file appears, so everything pushed after it waits in the queue. The
    the service's tick and decision, the entry rewritten), a stop of a queued job;
 4. the queue service's process killed: the time until Ray has started it again and it applies a
    request, and whether every job is still queued, in the same order;
-5. with `--run-all`: the gate opened, and every job must end COMPLETED.
+5. with `--run-all`: the gate opened, and every job must end COMPLETED; the time it took
+   against the ideal (jobs x `--sleep` seconds / the machine's CPUs, each job taking one CPU).
+   `--jobs 40 --sleep 5 --run-all` is the sweep of 40 five-second jobs.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=200, help="jobs pushed into the queue")
     parser.add_argument("--bare", type=int, default=10, help="waiting bare Ray jobs (baseline)")
     parser.add_argument("--run-all", action="store_true", help="open the gate, run them all")
+    parser.add_argument("--sleep", type=float, default=0.0, help="each queued job's seconds")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-queued-"))
@@ -153,13 +156,15 @@ def main() -> None:
         )
         until(lambda: blocker.status() == JobState.RUNNING, "the blocker to run", 120)
 
+        print_running_overhead(info.dashboard_url, blocker.id)
         bare_mem, bare_procs, bare_submit = bare_waiting_jobs(info.dashboard_url, args.bare)
         print(
             f"\nbaseline: {args.bare} bare Ray jobs waiting: {bare_mem:.1f} MiB and "
             f"{bare_procs:.1f} processes each; submit_job median {bare_submit * 1e3:.1f} ms"
         )
 
-        config = job_dir(work, "queued", 1, "echo ran")
+        command = f"sleep {args.sleep:g} && echo ran" if args.sleep else "echo ran"
+        config = job_dir(work, "queued", 1, command)
         before_mem, before_procs = settle()
         handles: list[JobHandle] = []
         pushes = []
@@ -221,15 +226,36 @@ def main() -> None:
             gate.touch()
             started = time.monotonic()
             ended = [h.wait(timeout=3600) for h in handles[3:]]
+            took = time.monotonic() - started
             done = sum(state == JobState.COMPLETED for state in ended)
-            print(
-                f"\ngate opened: {done} of {len(ended)} COMPLETED in "
-                f"{time.monotonic() - started:.1f} s"
-            )
+            ideal = len(ended) * args.sleep / cpus
+            against = f" ({took / ideal:.2f}x the ideal {ideal:g} s)" if ideal else ""
+            print(f"\ngate opened: {done} of {len(ended)} COMPLETED in {took:.1f} s{against}")
         print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     finally:
         cluster.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def print_running_overhead(address: str, job_id: str) -> None:
+    """The processes a running job's control costs the head: its controller (the Ray job's
+    driver) and what Ray runs above it for the Ray job, up to the raylet, with their memory."""
+    from ray.job_submission import JobSubmissionClient
+
+    pid = JobSubmissionClient(address).get_job_info(job_id).driver_info.pid
+    proc = psutil.Process(int(pid))
+    chain = []
+    while proc is not None and "raylet" not in proc.name():
+        chain.append(proc)
+        proc = proc.parent()
+    total_rss = total_uss = 0.0
+    print("\na running job's control processes on the head (RSS / USS, MiB):")
+    for p in chain:
+        info = p.memory_full_info()
+        total_rss, total_uss = total_rss + info.rss / MIB, total_uss + info.uss / MIB
+        title = " ".join(p.cmdline())[:70]
+        print(f"  {p.pid:>7} {info.rss / MIB:7.1f} {info.uss / MIB:7.1f}  {title}")
+    print(f"  in all: {total_rss:.0f} MiB RSS, {total_uss:.0f} MiB USS (not shared)")
 
 
 def restart_service(gcs_address: str, applied: Callable[[], object]) -> float:

@@ -166,27 +166,29 @@ def test_queued_jobs_hold_no_process_and_answer_at_once(h100s, tmp_path, monkeyp
     gate = tmp_path / "gate"
     blocker = push(job(tmp_path / "blocker", WAIT_FOR_GATE.format(gate=gate), nodes=4),
                    address=address, storage_root=root)  # fmt: skip
-    eventually(lambda: blocker.status() == JobState.RUNNING, "the blocker to run", 60)
-    queued = [push(job(tmp_path / f"q{i}", "echo ran", nodes=4), address=address,
-                   storage_root=root) for i in range(6)]  # fmt: skip
-    ids = {handle.id for handle in queued}
-    # In the queue the moment push returns: listed, re-prioritised, stopped.
-    assert {row["job_id"] for row in queue(storage_root=root)} == ids
-    last = queued[-1]
-    assert update_priority(last.id, 7, storage_root=root) == 7
-    assert queued[0].stop(timeout=10) == JobState.STOPPED
-    assert not any("ran" in line for line in queued[0].logs())
-    eventually(lambda: all(h.status() == JobState.PENDING for h in queued[1:]), "PENDING", 30)
-    assert "waiting in the queue (position 1)" in last.details().history[-1].reason
+    try:
+        eventually(lambda: blocker.status() == JobState.RUNNING, "the blocker to run", 60)
+        queued = [push(job(tmp_path / f"q{i}", "echo ran", nodes=4), address=address,
+                       storage_root=root) for i in range(6)]  # fmt: skip
+        ids = {handle.id for handle in queued}
+        # In the queue the moment push returns: listed, re-prioritised, stopped.
+        assert {row["job_id"] for row in queue(storage_root=root)} == ids
+        last = queued[-1]
+        assert update_priority(last.id, 7, storage_root=root) == 7
+        assert queued[0].stop(timeout=10) == JobState.STOPPED
+        assert not any("ran" in line for line in queued[0].logs())
+        eventually(lambda: all(h.status() == JobState.PENDING for h in queued[1:]), "PENDING", 30)
+        assert "waiting in the queue (position 1)" in last.details().history[-1].reason
 
-    assert controller_processes(ids) == set()  # no controller, no Ray job, no supervisor
-    ray_jobs = {j.submission_id for j in JobSubmissionClient(address).list_jobs()}
-    assert ray_jobs & ids == set() and blocker.id in ray_jobs
+        assert controller_processes(ids) == set()  # no controller, no Ray job, no supervisor
+        ray_jobs = {j.submission_id for j in JobSubmissionClient(address).list_jobs()}
+        assert ray_jobs & ids == set() and blocker.id in ray_jobs
 
-    with connected(cluster, monkeypatch):  # the service's process dies: Ray starts it again
-        service = ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
-        ray.kill(service, no_restart=False)
-    gate.touch()
+        with connected(cluster, monkeypatch):  # the service's process dies: Ray restarts it
+            service = ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
+            ray.kill(service, no_restart=False)
+    finally:
+        gate.touch()  # the jobs after this one need the nodes
     for handle in queued[1:]:
         assert handle.wait(timeout=120) == JobState.COMPLETED, handle.logs()
     assert queued[0].status() == JobState.STOPPED

@@ -230,3 +230,33 @@ def test_a_started_controller_ray_does_not_know_yet_is_given_time(tmp_path, laun
     queue.tick()
     assert queue.admission("a").state == "admitted"
     assert status(tmp_path, "a").state != JobState.FAILED
+
+
+def test_a_started_controller_whose_ray_job_never_came_to_exist_is_started_again(
+    tmp_path, launcher, monkeypatch
+):
+    """The service died between marking the start and submitting it: the job is not lost."""
+    monkeypatch.setattr("orchestrator.scheduler.orphan_reaper.MISSING_GRACE_S", 0.0)
+    push(tmp_path, "a", 2)
+    queue = queue_on(tmp_path, launcher)
+    queue.tick()
+    eventually(lambda: launcher.launched == ["a"], "a's controller to be started", 5)
+    launcher.ended_jobs["a"] = MISSING
+    queue.tick()
+    eventually(lambda: launcher.launched == ["a", "a"], "a's controller started again", 5)
+    assert status(tmp_path, "a").state != JobState.FAILED
+
+
+def test_an_idle_root_is_let_go_of_only_when_no_push_came_meanwhile(tmp_path, launcher):
+    """Its beat goes first: a push that read the beat before that is still taken."""
+    queue = queue_on(tmp_path, launcher)
+    queue.tick()
+    store = QueueStore(StorageRoot(tmp_path))
+    assert store.watched_by("session-1")
+    push(tmp_path, "late", 1)  # read the beat just before it went
+    assert not queue._let_go()
+    queue.tick()
+    eventually(lambda: launcher.launched == ["late"], "the late push to start", 5)
+    assert store.watched_by("session-1")
+    queue.release("late")
+    assert queue._let_go() and not store.watched_by("session-1")

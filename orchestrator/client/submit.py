@@ -9,7 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import settings
 from orchestrator.client.connection import Connection
@@ -21,7 +21,7 @@ from orchestrator.scheduler.entries import entry_for
 from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.projects import ProjectRecord, ProjectStore
-from orchestrator.storage.queue_store import Launch, QueueStore
+from orchestrator.storage.queue_store import INCOMING, Launch, QueueStore
 from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus, RetryPolicy
 from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.root import StorageRoot
@@ -33,6 +33,8 @@ REMOTE_PYTHON_ENV = settings.PYTHON.name
 SHARED_FS_ENV = settings.SHARED_FILESYSTEM.name
 SCHEDULING_TIMEOUT_ENV = settings.SCHEDULING_TIMEOUT_S.name
 SUBMIT_WAIT_ENV = settings.SUBMIT_WAIT_S.name
+
+T = TypeVar("T")
 
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -222,7 +224,8 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
             metadata=launch.metadata, entrypoint_num_cpus=0,
         )  # fmt: skip
     except Exception as e:
-        queue.drop_incoming(job_id)
+        # Never retried: inside this handler a storage error would read as the Ray error's.
+        root.discard(f"{INCOMING}/{job_id}.json")
         store = JobStore(root)
         failure = Failure(cause=str(e))
         status = store.status(job_id).moved_to(JobState.DEPLOY_FAILED, failure.cause)
@@ -231,16 +234,17 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
 
 
 def cluster_session(connection: Connection) -> str:
-    """The Ray cluster's session name, from its Job API (what its queue service beats with)."""
-    import requests
+    """The Ray cluster's session name, from its Job API (what its queue service beats with),
+    waiting out a head that is still starting."""
 
-    try:
+    def ask() -> str:
         response = connection.client()._do_request("GET", "/api/version")
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise RuntimeError(f"Request failed with status code {response.status_code}: "
+                               f"{response.text}")  # fmt: skip
         return str(response.json()["session_name"])
-    except (ConnectionError, requests.exceptions.ConnectionError, RuntimeError) as e:
-        raise SubmitError(f"the Ray cluster at {connection.address} does not answer: "
-                          f"{_one_line(e)}") from e  # fmt: skip
+
+    return while_head_starts(connection.address, ask)
 
 
 # What Ray's Job API answers while a head that has just started cannot take jobs yet: nothing
@@ -254,22 +258,36 @@ def submit_ray_job(
     client: Callable[[], JobSubmissionClient], address: str, submission_id: str, **job: Any
 ) -> None:
     """`client().submit_job(submission_id=..., **job)`, waiting out a head that is still starting
-    for up to ORCHESTRATOR_SUBMIT_WAIT_S (`push` right after `ray start --head` used to fail).
+    (`while_head_starts`).
 
     The submission id is Ray's idempotency key: a retry after an attempt that did reach Ray is
-    answered "already exists", and that job, being there, is ours. Anything else, or a head not
-    ready in time, is a one-line SubmitError.
+    answered "already exists", and that job, being there, is ours.
     """
-    wait_s = settings.SUBMIT_WAIT_S.get()
-    deadline = time.monotonic() + wait_s
-    retried = False
-    while True:
+    tried: list[bool] = []
+
+    def submit_once() -> None:
         try:
             client().submit_job(submission_id=submission_id, **job)
-            return
         except Exception as e:
-            if retried and "already exists" in str(e) and _has_job(client, submission_id):
+            if tried and "already exists" in str(e) and _has_job(client, submission_id):
                 return
+            raise
+        finally:
+            tried.append(True)
+
+    while_head_starts(address, submit_once)
+
+
+def while_head_starts(address: str, call: Callable[[], T]) -> T:
+    """`call()`, made again while the head at `address` is still starting, for up to
+    ORCHESTRATOR_SUBMIT_WAIT_S (`push` right after `ray start --head` used to fail). Anything
+    else, or a head not ready in time, is a one-line SubmitError."""
+    wait_s = settings.SUBMIT_WAIT_S.get()
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return call()
+        except Exception as e:
             reason = _one_line(e)
             if not _not_ready(e):
                 raise SubmitError(f"submitting to Ray at {address} failed: {reason}") from e
@@ -279,7 +297,6 @@ def submit_ray_job(
                     f"({reason}): if it has just started, wait until `ray status` lists its "
                     f"head node and push again, or raise {SUBMIT_WAIT_ENV}"
                 ) from e
-        retried = True
         time.sleep(_SUBMIT_RETRY_INTERVAL_S)
 
 

@@ -1,6 +1,7 @@
 """Jobs whose controller died (`OrphanReaper`): a queue entry whose Ray driver is gone, or whose
 controller the service started and whose Ray job ended before it came, ends FAILED in the job's
-status, saying why, and leaves the queue, so what it held is freed for the jobs that wait."""
+status, saying why, and leaves the queue, so what it held is freed for the jobs that wait. A
+controller marked started whose Ray job never came to exist is started again."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.queue_store import QueueEntry
 from orchestrator.storage.records import Failure, JobStatus
 
-MISSING_GRACE_S = 60.0  # a started controller's Ray job Ray does not know yet: not gone before
+MISSING_GRACE_S = 60.0  # a started controller's Ray job that Ray does not know: started again after
 
 
 class OrphanReaper:
@@ -34,7 +35,7 @@ class OrphanReaper:
         reaped = []
         for entry in queue.entries():
             if entry.ray_job_id is None:
-                if not self._never_came(entry):
+                if not self._never_came(queue, entry):
                     continue
             elif entry.ray_job_id in alive:
                 continue
@@ -44,15 +45,18 @@ class OrphanReaper:
             reaped.append(entry.job_id)
         return reaped
 
-    def _never_came(self, entry: QueueEntry) -> bool:
-        """A controller the service started whose Ray job ended before it enqueued: failed."""
+    def _never_came(self, queue: QueueManager, entry: QueueEntry) -> bool:
+        """A controller the service started whose Ray job ended before it enqueued: failed.
+        One Ray does not know a minute after it was marked started (the service died between
+        marking and submitting, or a head restarted): started again, as the same Ray job id."""
         if entry.launched_at is None or self.launcher is None:
             return False
         ended = self.launcher.ended(entry.job_id)
         if ended is None:
             return False
-        # Marked started before the submit call goes out (the push's, or the service's pool's).
-        if ended == MISSING and time.time() - entry.launched_at < MISSING_GRACE_S:
+        if ended == MISSING:  # marked before the submit goes out: given time
+            if time.time() - entry.launched_at > MISSING_GRACE_S and entry.launch is not None:
+                queue.ledger.update(entry, launched_at=None)  # the next decision starts it
             return False
         cause = (
             f"the job's controller (Ray job {entry.job_id}) ended before it started the job: "

@@ -142,8 +142,9 @@ class RootQueue:
         """Pushed jobs into the queue (unless stopped before they were taken), then stops."""
         if self.launcher is None:  # no way to start a controller: pushes are for a service
             return
-        for entry in self.store.take_incoming(self.session):
-            self.queue.add(entry)
+        for entry in self.store.incoming_for(self.session):
+            self.queue.add(entry)  # stored first: listed in one place or the other throughout
+            self.store.drop_incoming(entry.job_id)
         for request in self.store.take_stops():
             self._stop(request.job_id)
 

@@ -198,11 +198,11 @@ class QueueStore:
         except FileNotFoundError:
             return None
 
-    def take_incoming(self, cluster: str | None) -> list[QueueEntry]:
-        """The service's side: pushed jobs for `cluster` (or for any), oldest first, removed as
-        read. Another cluster's are left to its service, unless no service of that cluster
-        beats here and the job is older than a beat (that cluster's head restarted: a new
-        session)."""
+    def incoming_for(self, cluster: str | None) -> list[QueueEntry]:
+        """The service's side: pushed jobs for `cluster` (or for any), oldest first; each is
+        dropped (`drop_incoming`) once its entry is stored, so it is always in one of the two.
+        Another cluster's are left to its service, unless no service of that cluster beats here
+        and the job is older than a beat (that cluster's head restarted: a new session)."""
         now = time.time()
         mine = [
             e for e in self.incoming()
@@ -211,8 +211,6 @@ class QueueStore:
                 and not self.watched_by(e.cluster)
             )
         ]  # fmt: skip
-        for entry in mine:
-            self.drop_incoming(entry.job_id)
         return sorted(mine, key=lambda e: (e.pushed_at, e.job_id))
 
     def drop_incoming(self, job_id: str) -> None:
