@@ -165,7 +165,8 @@ def main() -> None:
 
         command = f"sleep {args.sleep:g} && echo ran" if args.sleep else "echo ran"
         config = job_dir(work, "queued", 1, command)
-        before_mem, before_procs = settle()
+        before_mem, before_procs = settle(10.0)  # the bare jobs' memory given back
+        before_service = service_rss(info.gcs_address)
         handles: list[JobHandle] = []
         pushes = []
         for _ in range(args.jobs):
@@ -176,6 +177,7 @@ def main() -> None:
             lambda: all(h.status() == JobState.PENDING for h in handles), "every job PENDING"
         )
         after_mem, after_procs = settle(5.0)
+        after_service = service_rss(info.gcs_address)
         per_job = (after_mem - before_mem) / args.jobs
         print(
             f"\n{args.jobs} pushed jobs queued: push median {statistics.median(pushes) * 1e3:.1f}"
@@ -186,6 +188,10 @@ def main() -> None:
             f"  machine memory {before_mem:.0f} -> {after_mem:.0f} MiB: "
             f"{after_mem - before_mem:+.0f} MiB in all, {per_job:+.2f} MiB a job "
             f"({per_job / bare_mem:.3f}x a waiting bare Ray job's)"
+        )
+        print(
+            f"  the queue service's process: {before_service:.0f} -> {after_service:.0f} MiB RSS "
+            f"({(after_service - before_service) * 1024 / args.jobs:.1f} KiB a job)"
         )
         print(
             f"  processes {before_procs} -> {after_procs} ({after_procs - before_procs:+d}; a "
@@ -258,8 +264,7 @@ def print_running_overhead(address: str, job_id: str) -> None:
     print(f"  in all: {total_rss:.0f} MiB RSS, {total_uss:.0f} MiB USS (not shared)")
 
 
-def restart_service(gcs_address: str, applied: Callable[[], object]) -> float:
-    """Kill the queue service's process (Ray restarts it); seconds until `applied` succeeds."""
+def service_pid(gcs_address: str) -> int:
     import ray
 
     from orchestrator.agents.services import NAMESPACE
@@ -268,11 +273,22 @@ def restart_service(gcs_address: str, applied: Callable[[], object]) -> float:
     ray.init(address=gcs_address, namespace=NAMESPACE, log_to_driver=False)
     try:
         service = ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
-        pid = ray.get(service.__ray_call__.remote(lambda self: os.getpid()))
-        started = time.monotonic()
-        psutil.Process(pid).kill()
+        return int(ray.get(service.__ray_call__.remote(lambda self: os.getpid())))
     finally:
         ray.shutdown()
+
+
+def service_rss(gcs_address: str) -> float:
+    """The queue service process's resident memory, MiB."""
+    return psutil.Process(service_pid(gcs_address)).memory_info().rss / MIB
+
+
+def restart_service(gcs_address: str, applied: Callable[[], object]) -> float:
+    """Kill the queue service's process (Ray restarts it); seconds until `applied` succeeds."""
+
+    pid = service_pid(gcs_address)
+    started = time.monotonic()
+    psutil.Process(pid).kill()
     applied()
     return time.monotonic() - started
 
