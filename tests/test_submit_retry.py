@@ -18,6 +18,9 @@ from orchestrator.client.connection import Connection
 from orchestrator.cluster.local import LocalCluster, embedded_env
 from orchestrator.errors import OrchestratorError, SubmitError
 from orchestrator.lifecycle import JobState
+from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.queue_store import QueueStore
+from orchestrator.storage.root import StorageRoot
 
 ADDRESS = "http://127.0.0.1:8265"
 NO_AGENT = RuntimeError(
@@ -118,6 +121,27 @@ def test_already_exists_on_a_first_attempt_is_a_refusal(head):
     head.submitted.append("j1")  # another job has this id
     with pytest.raises(SubmitError, match="already exists"):
         send()
+
+
+def test_a_push_to_a_head_that_never_answers_is_deploy_failed_and_leaves_nothing_queued(
+    head, monkeypatch, tmp_path
+):
+    """The push reads the cluster's session before it queues the job: a head that never
+    answers fails it in one line after the wait, recorded, with no queue entry left behind (the
+    clean-up ran inside the connection error's handler, where a missing file once read as a
+    storage outage and was retried for the root's whole outage budget)."""
+    monkeypatch.setenv("ORCHESTRATOR_SUBMIT_WAIT_S", "0.3")
+    head.script[:] = [REFUSED] * 1000
+    root = tmp_path / "storage"
+    started = time.monotonic()
+    with pytest.raises(SubmitError, match=r"did not take the job within 0\.3 s"):
+        push(make_job(tmp_path / "job", RUN), address=ADDRESS, storage_root=str(root))
+    assert time.monotonic() - started < 10
+    (job_id,) = JobStore(StorageRoot(root)).job_ids()
+    status = JobStore(StorageRoot(root)).status(job_id)
+    assert status.state == JobState.DEPLOY_FAILED and "did not take the job" in status.failure.cause
+    queue = QueueStore(StorageRoot(root))
+    assert queue.incoming() == [] and queue.entries() == []
 
 
 RUN = """
