@@ -144,6 +144,15 @@ def test_a_push_to_a_head_that_never_answers_is_deploy_failed_and_leaves_nothing
     assert queue.incoming() == [] and queue.entries() == []
 
 
+def test_a_controller_the_queue_service_started_meanwhile_is_the_pushs_own(head):
+    """A push that found no service beating submits the controller itself; a service that took
+    the job meanwhile may have submitted it first: the same job, not a refusal."""
+    head.submitted.append("j1")
+    connection = Connection(address=ADDRESS, embedded=False)
+    submit.submit_ray_job(connection.client, ADDRESS, "j1", exists_is_ours=True, entrypoint="true")
+    assert head.submitted == ["j1"]
+
+
 RUN = """
 from truss_train import definitions
 project = definitions.TrainingProject(

@@ -220,8 +220,8 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
         if not start_now:  # nobody may take it: it is ours to start (the service's, if it does)
             queue.put_incoming(entry.model_copy(update={"launched_at": time.time()}))
         submit_ray_job(
-            connection.client, connection.address, job_id, entrypoint=launch.entrypoint,
-            metadata=launch.metadata, entrypoint_num_cpus=0,
+            connection.client, connection.address, job_id, exists_is_ours=True,
+            entrypoint=launch.entrypoint, metadata=launch.metadata, entrypoint_num_cpus=0,
         )  # fmt: skip
     except Exception as e:
         # Never retried: inside this handler a storage error would read as the Ray error's.
@@ -255,15 +255,18 @@ _SUBMIT_RETRY_INTERVAL_S = 0.5
 
 
 def submit_ray_job(
-    client: Callable[[], JobSubmissionClient], address: str, submission_id: str, **job: Any
-) -> None:
+    client: Callable[[], JobSubmissionClient], address: str, submission_id: str,
+    exists_is_ours: bool = False, **job: Any,
+) -> None:  # fmt: skip
     """`client().submit_job(submission_id=..., **job)`, waiting out a head that is still starting
     (`while_head_starts`).
 
     The submission id is Ray's idempotency key: a retry after an attempt that did reach Ray is
-    answered "already exists", and that job, being there, is ours.
+    answered "already exists", and that job, being there, is ours. `exists_is_ours`: so is one
+    there before the first attempt (a job's controller, which the queue service may have started
+    meanwhile).
     """
-    tried: list[bool] = []
+    tried: list[bool] = [True] if exists_is_ours else []
 
     def submit_once() -> None:
         try:
