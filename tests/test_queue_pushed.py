@@ -220,14 +220,20 @@ def test_a_job_pushed_to_a_cluster_session_that_is_gone_is_taken_by_the_next(tmp
     eventually(lambda: launcher.launched == ["stranded"], "the stranded job to start", 5)
 
 
-def test_a_started_controller_ray_does_not_know_yet_is_given_time(tmp_path, launcher):
-    """The start is recorded before the submit goes out: a tick between the two fails nothing."""
-    push(tmp_path, "a", 2)
-    queue = queue_on(tmp_path, launcher)
+def started_then_missing(root: Path, launcher: FakeLauncher) -> RootQueue:
+    """Job "a" admitted and its controller started, then Ray says it knows no such Ray job."""
+    push(root, "a", 2)
+    queue = queue_on(root, launcher)
     queue.tick()
     eventually(lambda: launcher.launched == ["a"], "a's controller to be started", 5)
     launcher.ended_jobs["a"] = MISSING
     queue.tick()
+    return queue
+
+
+def test_a_started_controller_ray_does_not_know_yet_is_given_time(tmp_path, launcher):
+    """The start is recorded before the submit goes out: a tick between the two fails nothing."""
+    queue = started_then_missing(tmp_path, launcher)
     assert queue.admission("a").state == "admitted"
     assert status(tmp_path, "a").state != JobState.FAILED
 
@@ -237,12 +243,7 @@ def test_a_started_controller_whose_ray_job_never_came_to_exist_is_started_again
 ):
     """The service died between marking the start and submitting it: the job is not lost."""
     monkeypatch.setattr("orchestrator.scheduler.orphan_reaper.MISSING_GRACE_S", 0.0)
-    push(tmp_path, "a", 2)
-    queue = queue_on(tmp_path, launcher)
-    queue.tick()
-    eventually(lambda: launcher.launched == ["a"], "a's controller to be started", 5)
-    launcher.ended_jobs["a"] = MISSING
-    queue.tick()
+    started_then_missing(tmp_path, launcher)
     eventually(lambda: launcher.launched == ["a", "a"], "a's controller started again", 5)
     assert status(tmp_path, "a").state != JobState.FAILED
 

@@ -18,6 +18,7 @@ from orchestrator.errors import JobNotFound
 from orchestrator.lifecycle import JobState
 from orchestrator.storage import layout
 from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.logs import next_segment
 from orchestrator.storage.records import Failure
 
 
@@ -115,7 +116,5 @@ class JobNotes:
     def _line(self, job_id: str, text: str) -> None:
         """One line in the job's logs, as its controller would say it, in the next segment."""
         root = self.jobs.root
-        names = root.list_names(layout.logs_dir(job_id))
-        seq = 1 + max((int(n.split(".")[0]) for n in names if n.endswith(".log")), default=-1)
         line = f"[orchestrator {time.strftime('%H:%M:%S')}] {text}\n"
-        root.write_bytes(layout.log_segment(job_id, seq), line.encode())
+        root.write_bytes(layout.log_segment(job_id, next_segment(root, job_id)), line.encode())

@@ -60,10 +60,6 @@ class QueueService:
         if self.known is not None:
             threading.Thread(target=self._resume, name="queue-resume", daemon=True).start()
 
-    def watch(self, root: str) -> None:
-        """Watch `root` for pushed jobs (a push to a root no service watches asks this)."""
-        self._queue(root)
-
     def enqueue(self, root: str, entry: QueueEntry) -> Admission:
         return self._queue(root).enqueue(entry)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.storage import layout
+from orchestrator.storage.logs import next_segment
 from orchestrator.storage.records import JobStatus
 from orchestrator.storage.retry import describe
 from orchestrator.storage.root import StorageRoot
@@ -109,9 +110,7 @@ class JobJournal:
         self._root, self._job_id, self._say = root, job_id, say
         # Local writes are cheap, so lines land fast; on an object store each segment is a PUT.
         self._interval = interval if interval is not None else (0.05 if root.is_local else 0.5)
-        existing = root.list_names(layout.logs_dir(job_id))
-        self._seq = 1 + max((int(n.split(".")[0]) for n in existing if n.endswith(".log")),
-                            default=-1)  # fmt: skip
+        self._seq = next_segment(root, job_id)
         self._spool = LineSpool(spill_dir / "logs.txt")
         self._inflight: tuple[int, bytes] | None = None  # a segment tried and not yet stored
         self._status: JobStatus | None = None  # the latest status not yet stored

@@ -28,6 +28,12 @@ def is_progress(line: str) -> bool:
     return _PROGRESS_TAG.match(line) is not None
 
 
+def next_segment(root: StorageRoot, job_id: str) -> int:
+    """The number the job's next log segment takes (after every stored one)."""
+    names = root.list_names(layout.logs_dir(job_id))
+    return 1 + max((int(n.split(".")[0]) for n in names if n.endswith(".log")), default=-1)
+
+
 def read_logs(root: StorageRoot, job_id: str, after: int = -1) -> tuple[list[str], int]:
     """Lines of the segments numbered above `after`, and the last segment number read."""
     names = [n for n in root.list_names(layout.logs_dir(job_id)) if n.endswith(".log")]
