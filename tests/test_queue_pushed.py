@@ -261,3 +261,29 @@ def test_an_idle_root_is_let_go_of_only_when_no_push_came_meanwhile(tmp_path, la
     assert store.watched_by("session-1")
     queue.release("late")
     assert queue._let_go() and not store.watched_by("session-1")
+
+
+def test_a_stop_or_priority_change_right_after_the_push_is_never_lost(tmp_path, launcher):
+    """A client writes a stop or a priority request once it sees the job pushed; the service may
+    have listed the pushed jobs a moment before the push came. Both still apply, a tick later."""
+    push(tmp_path, "blocker", 2, pushed_at=1.0)
+    queue = queue_on(tmp_path, launcher)
+    queue.tick()
+    store = QueueStore(StorageRoot(tmp_path))
+    listing = queue.store.incoming_for
+
+    def push_and_ask_while_listing(session):
+        taken = listing(session)  # the service's view, just before the pushes and asks land
+        push(tmp_path, "raised", 2)
+        push(tmp_path, "stopped", 2)
+        store.request_priority("raised", 7, time.time())
+        store.request_stop("stopped", time.time())
+        return taken
+
+    queue.store.incoming_for = push_and_ask_while_listing
+    queue.tick()
+    queue.store.incoming_for = listing
+    queue.tick()
+    assert store.entry("raised").priority == 7
+    assert status(tmp_path, "stopped").state == JobState.STOPPED
+    assert launcher.launched == ["blocker"]

@@ -87,11 +87,6 @@ class QueueManager:
         self.ledger.update(entry, priority=priority)
         return True
 
-    def take_requests(self) -> None:
-        """Clients' `update --priority` requests, written to the storage root."""
-        for request in self.store.take_requests():
-            self.reprioritise(request.job_id, request.priority)  # one that left: dropped
-
     def reload_quotas(self) -> None:
         """`capacity set` writes the quotas to the storage root: read at each tick."""
         self.quotas = self.store.quotas()

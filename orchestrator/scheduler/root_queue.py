@@ -131,7 +131,6 @@ class RootQueue:
         """What no call brings: pushed jobs and stops, requests, quotas, dead controllers,
         resources freed; and the service's sign of life."""
         self._take_arrivals()
-        self.queue.take_requests()
         self.queue.reload_quotas()
         for job_id in self.reaper.reap(self.queue):
             self.notes.settle(job_id)
@@ -139,14 +138,19 @@ class RootQueue:
         self._beat()
 
     def _take_arrivals(self) -> None:
-        """Pushed jobs into the queue (unless stopped before they were taken), then stops."""
-        if self.launcher is None:  # no way to start a controller: pushes are for a service
-            return
-        for entry in self.store.incoming_for(self.session):
-            self.queue.add(entry)  # stored first: listed in one place or the other throughout
-            self.store.drop_incoming(entry.job_id)
-        for request in self.store.take_stops():
+        """Pushed jobs into the queue (unless stopped before they were taken), then stops and
+        priority requests. Those two are read before the pushes: a client writes one only once
+        it has seen the job pushed, so its job is in the queue when it is applied."""
+        requests = self.store.take_requests()
+        stops = self.store.take_stops() if self.launcher is not None else []
+        if self.launcher is not None:  # else no way to start a controller: pushes are a service's
+            for entry in self.store.incoming_for(self.session):
+                self.queue.add(entry)  # stored first: listed in one place or the other throughout
+                self.store.drop_incoming(entry.job_id)
+        for request in stops:
             self._stop(request.job_id)
+        for request in requests:
+            self.queue.reprioritise(request.job_id, request.priority)  # one that left: dropped
 
     def _stop(self, job_id: str) -> None:
         entry = self.queue.ledger.get(job_id)
