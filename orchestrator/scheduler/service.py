@@ -20,13 +20,14 @@ import time
 import traceback
 from typing import Any
 
-from orchestrator import ray_private
+from orchestrator import ray_private, settings
 from orchestrator.scheduler import QUEUE_SERVICE_NAME
 from orchestrator.scheduler.cluster_reader import ClusterReader, RayCluster
 from orchestrator.scheduler.launcher import ControllerLauncher, RayJobLauncher
 from orchestrator.scheduler.policy import DEFAULT_HOLD_AFTER_S, SchedulingPolicy, WithinTeam
 from orchestrator.scheduler.queue_manager import Admission, QueueView
 from orchestrator.scheduler.root_queue import RootQueue
+from orchestrator.scheduler.warm_host import WarmHost
 from orchestrator.storage.queue_store import QueueEntry
 
 TICK_S = 1.0
@@ -50,7 +51,8 @@ class QueueService:
         self.autoscaling, self.tick_s = autoscaling, tick_s
         in_ray = cluster is None
         self.cluster = cluster or RayCluster()
-        self.launcher = launcher or (RayJobLauncher() if in_ray else None)
+        self.warm = _warm_host() if in_ray and launcher is None else None
+        self.launcher = launcher or (RayJobLauncher(self.warm) if in_ray else None)
         self.known = GcsRoots() if in_ray else None
         self.queues: dict[str, RootQueue] = {}
         self.stops: dict[str, threading.Event] = {}
@@ -139,6 +141,15 @@ class QueueService:
 
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
+
+
+def _warm_host() -> WarmHost | None:
+    """The process that forks controllers with their modules imported, unless turned off."""
+    if not settings.WARM_CONTROLLERS.get():
+        return None
+    import ray
+
+    return WarmHost.start(str(ray.get_runtime_context().get_session_name()))
 
 
 class GcsRoots:
