@@ -8,6 +8,7 @@ on every job's critical path, and must not pay for the spec and client they do n
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 __version__ = "0.1.0"
@@ -38,6 +39,10 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("orchestrator.errors"), name)
     if name in _NODE_HELPERS:
         return getattr(importlib.import_module("orchestrator.storage.local_checkpoint"), name)
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # `from orchestrator import settings` asks here first: a submodule is for the import
+        # system to load, without the spec's ~0.3 s of pydantic models on every worker's path.
+        raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
     definitions = importlib.import_module("orchestrator.definitions")
     if name in definitions.__all__:
         return getattr(definitions, name)

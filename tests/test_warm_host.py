@@ -1,7 +1,10 @@
 """The warm controller host and its stand-in, without Ray: what a controller forked from the host
 sees and how it ends must be what a cold start would give it, through Ray's `ray job stop`
 (SIGTERM, then SIGKILL of the entrypoint's process group) as through a normal end; and with no
-host, or a command it does not take, the stand-in runs the command cold."""
+host, or one that does not take it, the process goes on as a cold controller.
+
+The probe is a package whose `__main__` starts as the controller's does (`hand_over_or_return`),
+so these tests run the real hand-over, not a copy of it."""
 
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ import psutil
 import pytest
 from conftest import eventually
 
-from orchestrator.scheduler import warm_host
-from orchestrator.scheduler.warm_host import STAND_IN
+from orchestrator.scheduler import warm_host, warm_start
 
 PROBE = """
+from orchestrator.scheduler.warm_start import hand_over_or_return
+hand_over_or_return(__spec__.parent)
 import os, signal, sys, time
 from pathlib import Path
 out = Path(os.environ["PROBE_DIR"])
@@ -40,141 +44,148 @@ sys.exit(int(sys.argv[2]))
 
 @pytest.fixture
 def probe(tmp_path: Path) -> Path:
-    """A package `warm_probe` whose __main__ acts as a controller would."""
-    package = tmp_path / "lib" / "warm_probe"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "__main__.py").write_text(PROBE)
-    return package.parent
+    """Packages `warm_probe` and `other_probe` whose __main__ act as a controller would."""
+    for name in ("warm_probe", "other_probe"):
+        package = tmp_path / "lib" / name
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        (package / "__main__.py").write_text(PROBE)
+    return tmp_path / "lib"
+
+
+def a_cluster() -> str:
+    """A made-up cluster's GCS address (the host's socket is named by its port)."""
+    return f"127.0.0.1:{uuid.uuid4().int % 50000 + 10000}"
+
+
+def host_command(gcs: str) -> list[str]:
+    """The host of that cluster, forking `python -m warm_probe`."""
+    return [sys.executable, "-m", warm_host.__name__, warm_start.address_for(gcs), "warm_probe"]
+
+
+def with_probe(probe: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(probe), *sys.path])}
 
 
 @pytest.fixture
 def host(probe: Path):
-    """A host that forks `python -m warm_probe`; stopped (by its handle) at the end."""
-    address = f"@orchestrator-test-{uuid.uuid4().hex[:12]}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(probe), *sys.path])}
-    process = subprocess.Popen([sys.executable, "-m", warm_host.__name__, address, "warm_probe"],
-                               env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    """A host for a made-up cluster; stopped (by its handle) at the end."""
+    gcs = a_cluster()
+    process = subprocess.Popen(host_command(gcs), env=with_probe(probe), stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
     assert process.stderr is not None
     assert "ready" in process.stderr.readline()
-    yield address, process
+    yield gcs, process
     process.terminate()
     process.wait(10)
 
 
-def stand_in(address: str, tmp_path: Path, *args: str, command: list[str] | None = None,
-             **popen) -> subprocess.Popen:  # fmt: skip
-    """The admitted job's entrypoint as the launcher writes it, started as Ray starts one."""
-    command = command or [sys.executable, "-m", "warm_probe", *args]
-    env = {**os.environ, "PROBE_DIR": str(tmp_path), "PROBE_VALUE": "from-the-job",
-           "PYTHONPATH": str(tmp_path / "lib")}  # fmt: skip
+def entrypoint(gcs: str, tmp_path: Path, *args: str, module: str = "warm_probe",
+               python: str = sys.executable) -> subprocess.Popen:  # fmt: skip
+    """`python -m <module> ARGS`, started as Ray's job supervisor starts an entrypoint."""
+    env = {**with_probe(tmp_path / "lib"), "PROBE_DIR": str(tmp_path), "RAY_ADDRESS": gcs,
+           "PROBE_VALUE": "from-the-job"}  # fmt: skip
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     return subprocess.Popen(
-        [sys.executable, "-S", str(STAND_IN), address, "--", *command], env=env, cwd=work,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        **popen,
+        [python, "-m", module, *args], env=env, cwd=work, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
 
 
-def forked_by(host: subprocess.Popen, tmp_path: Path) -> bool:
-    pid = int((tmp_path / "pid").read_text())
-    return psutil.Process(pid).ppid() == host.pid
+def probe_pid(tmp_path: Path) -> int:
+    return int((tmp_path / "pid").read_text())
+
+
+def gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
 
 
 def test_a_forked_controller_gets_the_jobs_output_environment_and_directory_and_its_code(
     host, tmp_path
 ):
-    address, process = host
-    run = stand_in(address, tmp_path, "exit", "7")
+    gcs, process = host
+    run = entrypoint(gcs, tmp_path, "exit", "7")
     out, _ = run.communicate(timeout=30)
     assert run.returncode == 7
     assert out.strip() == f"probe ['exit', '7'] {tmp_path / 'work'} from-the-job"
-    pid = int((tmp_path / "pid").read_text())
-    assert pid not in (run.pid, process.pid) and not psutil.pid_exists(pid)
+    assert probe_pid(tmp_path) not in (run.pid, process.pid)  # forked: another process
+    eventually(lambda: gone(probe_pid(tmp_path)), "the controller's process to end", 10)
 
 
 def test_ray_job_stop_reaches_the_forked_controller_and_its_kill_ends_it(host, tmp_path):
-    address, process = host
+    gcs, process = host
     # SIGTERM to the entrypoint's group: relayed, the controller flushes and ends with its code.
-    run = stand_in(address, tmp_path, "wait")
+    run = entrypoint(gcs, tmp_path, "wait")
     eventually(lambda: (tmp_path / "waiting").exists(), "the probe to wait", 30)
-    assert forked_by(process, tmp_path)  # warm: a child of the host, not of the stand-in
+    assert psutil.Process(probe_pid(tmp_path)).ppid() == process.pid  # forked by the host
     os.killpg(run.pid, signal.SIGTERM)
     out, _ = run.communicate(timeout=30)
     assert "flushed on 15" in out and run.returncode == 3
 
     # SIGKILL of the group (Ray's stop after its grace): the controller dies with its stand-in.
     (tmp_path / "waiting").unlink()
-    run = stand_in(address, tmp_path, "wait")
+    run = entrypoint(gcs, tmp_path, "wait")
     eventually(lambda: (tmp_path / "waiting").exists(), "the probe to wait", 30)
-    pid = int((tmp_path / "pid").read_text())
+    pid = probe_pid(tmp_path)
+    assert pid != run.pid
     os.killpg(run.pid, signal.SIGKILL)
     run.wait(10)
-    eventually(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
-               "the forked controller to die with its stand-in", 10)  # fmt: skip
+    eventually(lambda: gone(pid), "the forked controller to die with its stand-in", 10)
 
 
 def test_the_interpreter_under_another_name_of_the_same_environment_runs_warm(host, tmp_path):
     """Ray's workers may run `python3` where the job names `python`: one venv, one interpreter."""
-    address, process = host
+    gcs, process = host
     here = Path(sys.executable)
     other = next(p for p in sorted(here.parent.glob("python*"))
                  if p.name != here.name and p.resolve() == here.resolve())  # fmt: skip
-    run = stand_in(address, tmp_path, "wait", command=[str(other), "-m", "warm_probe", "wait"])
+    run = entrypoint(gcs, tmp_path, "wait", python=str(other))
     eventually(lambda: (tmp_path / "waiting").exists(), "the probe to wait", 30)
-    assert forked_by(process, tmp_path)
+    assert psutil.Process(probe_pid(tmp_path)).ppid() == process.pid
     os.killpg(run.pid, signal.SIGTERM)
     assert run.wait(30) == 3
 
 
 def test_a_controller_that_dies_of_a_signal_takes_its_stand_in_with_it(host, tmp_path):
-    address, _ = host
-    run = stand_in(address, tmp_path, "abort")
+    gcs, _ = host
+    run = entrypoint(gcs, tmp_path, "abort")
     run.communicate(timeout=30)
     assert run.returncode == -signal.SIGABRT
 
 
-def test_without_a_host_or_for_another_command_the_stand_in_runs_it_cold(host, tmp_path):
-    address, _ = host
-    other = [sys.executable, "-c", "import os; print('cold', os.getppid())"]
-    run = stand_in(address, tmp_path, command=other)
-    out, _ = run.communicate(timeout=30)
-    assert run.returncode == 0 and out.split() == ["cold", str(os.getpid())]  # exec'd in place
-
-    run = stand_in("@orchestrator-test-nobody-listens", tmp_path, "exit", "0")
-    out, _ = run.communicate(timeout=30)
-    assert run.returncode == 0 and out.startswith("probe ['exit', '0']")
-    assert int((tmp_path / "pid").read_text()) == run.pid  # exec'd in place, not forked
+def test_without_a_host_or_for_another_module_the_process_goes_on_cold(host, tmp_path):
+    gcs, _ = host
+    for run in (entrypoint(gcs, tmp_path, "exit", "0", module="other_probe"),
+                entrypoint(a_cluster(), tmp_path, "exit", "0")):  # fmt: skip
+        out, _ = run.communicate(timeout=30)
+        assert run.returncode == 0 and out.startswith("probe ['exit', '0']")
+        assert probe_pid(tmp_path) == run.pid  # in its own process
 
 
 def test_the_host_ends_with_the_service_that_started_it_and_its_controllers_run_on(probe, tmp_path):
     """The service's process dies (Ray restarts it): its host goes, a running controller stays."""
-    address = f"@orchestrator-test-{uuid.uuid4().hex[:12]}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(probe), *sys.path])}
-    log = tmp_path / "host.log"
+    gcs, log = a_cluster(), tmp_path / "host.log"
     service = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time; "
          "subprocess.Popen(sys.argv[2:], stderr=open(sys.argv[1], 'w')); time.sleep(300)",
-         str(log), sys.executable, "-m", warm_host.__name__, address, "warm_probe"],
-        env=env,
+         str(log), *host_command(gcs)],
+        env=with_probe(probe),
     )  # fmt: skip
     try:
         eventually(lambda: log.exists() and "ready" in log.read_text(), "the host to listen", 30)
         host = psutil.Process(service.pid).children()[0]
-        run = stand_in(address, tmp_path, "wait")
+        run = entrypoint(gcs, tmp_path, "wait")
         eventually(lambda: (tmp_path / "waiting").exists(), "the probe to wait", 60)
-        controller = psutil.Process(int((tmp_path / "pid").read_text()))
+        controller = psutil.Process(probe_pid(tmp_path))
         assert controller.ppid() == host.pid
         service.kill()
         service.wait(10)
-        eventually(lambda: not host.is_running() or host.status() == "zombie",
-                   "the host to end with its service", 10)  # fmt: skip
+        eventually(lambda: gone(host.pid), "the host to end with its service", 10)
         assert controller.is_running() and run.poll() is None
         os.killpg(run.pid, signal.SIGTERM)
         run.communicate(timeout=30)
-        eventually(lambda: not controller.is_running() or controller.status() == "zombie",
-                   "the controller to end", 10)  # fmt: skip
+        eventually(lambda: gone(controller.pid), "the controller to end", 10)
     finally:
         if service.poll() is None:
             service.kill()

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from orchestrator import ray_private
-from orchestrator.scheduler.warm_host import WarmHost
 from orchestrator.storage.queue_store import QueueEntry
 
 ENDED = ("FAILED", "STOPPED", "SUCCEEDED")
@@ -42,12 +41,10 @@ class ControllerLauncher(Protocol):
 
 
 class RayJobLauncher:
-    """The head's Job API, reached on its own dashboard address from inside the service; with a
-    warm host (scheduler/warm_host.py), each controller is forked from it, its modules imported."""
+    """The head's Job API, reached on its own dashboard address from inside the service."""
 
-    def __init__(self, warm: WarmHost | None = None) -> None:
+    def __init__(self) -> None:
         self._client: Any = None
-        self.warm = warm
 
     def session(self) -> str:
         import ray
@@ -56,12 +53,9 @@ class RayJobLauncher:
 
     def launch(self, entry: QueueEntry) -> None:
         assert entry.launch is not None
-        entrypoint = entry.launch.entrypoint
-        if self.warm is not None and self.warm.alive():
-            entrypoint = self.warm.entrypoint(entrypoint)
         try:
             self.client().submit_job(
-                submission_id=entry.job_id, entrypoint=entrypoint,
+                submission_id=entry.job_id, entrypoint=entry.launch.entrypoint,
                 metadata=dict(entry.launch.metadata), entrypoint_num_cpus=0,
             )  # fmt: skip
         except Exception as e:

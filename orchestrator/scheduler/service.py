@@ -52,7 +52,7 @@ class QueueService:
         in_ray = cluster is None
         self.cluster = cluster or RayCluster()
         self.warm = _warm_host() if in_ray and launcher is None else None
-        self.launcher = launcher or (RayJobLauncher(self.warm) if in_ray else None)
+        self.launcher = launcher or (RayJobLauncher() if in_ray else None)
         self.known = GcsRoots() if in_ray else None
         self.queues: dict[str, RootQueue] = {}
         self.stops: dict[str, threading.Event] = {}
@@ -149,7 +149,7 @@ def _warm_host() -> WarmHost | None:
         return None
     import ray
 
-    return WarmHost.start(str(ray.get_runtime_context().get_session_name()))
+    return WarmHost.start(str(ray.get_runtime_context().gcs_address))
 
 
 class GcsRoots:

@@ -7,12 +7,13 @@ short jobs. Forked from here, a controller starts with all of it done, and share
 modules' pages with the host (copy on write) instead of holding its own copy.
 
 Each controller is still its own process, its own Ray driver of its own Ray job, as a cold one:
-the admitted job's Ray entrypoint is `warm_start.py` (the stand-in), which hands its stdin,
-stdout, stderr, environment and working directory over a Unix socket, relays `ray job stop`'s
-signals, and exits with the controller's code; the dashboard, `ray job stop` and logs are as
-before. The host only forks: it never connects to Ray itself (a process with Ray's threads and
-sockets cannot be forked safely), and it ends when the service that started it does; the
-controllers it forked run on.
+the Ray job's entrypoint is still `python -m orchestrator.controller ...`, whose first act
+(warm_start.py, standard library only) is to hand its stdin, stdout, stderr, environment and
+working directory to the host over a Unix socket and stand in for the forked controller:
+relaying `ray job stop`'s signals, exiting with its code. The dashboard, `ray job stop` and logs
+are as before. The host only forks: it never connects to Ray itself (a process with Ray's
+threads and sockets cannot be forked safely), and it ends when the service that started it
+does; the controllers it forked run on.
 
 The socket is in Linux's abstract namespace (no file, no path length limit, gone with the
 process) and the host answers only processes of its own user (SO_PEERCRED).
@@ -28,8 +29,6 @@ import json
 import os
 import runpy
 import select
-import shlex
-import shutil
 import signal
 import socket
 import struct
@@ -37,18 +36,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
+
+from orchestrator.scheduler import warm_start
 
 MODULE = "orchestrator.controller"  # the only command it runs: `python -m orchestrator.controller`
 PRELOAD = ("ray", "orchestrator.agents.services", "orchestrator.scheduler", f"{MODULE}.controller")
-STAND_IN = Path(__file__).with_name("warm_start.py")
 _POLL_S = 0.5  # how often it reaps its children and looks for its parent
-
-
-def address_for(session: str) -> str:
-    """The host's socket for a Ray cluster session ("@": Linux's abstract namespace)."""
-    return f"@orchestrator-controllers-{session}"
 
 
 class WarmHost:
@@ -58,22 +52,17 @@ class WarmHost:
         self.address, self.process = address, process
 
     @classmethod
-    def start(cls, session: str) -> WarmHost | None:
-        """A host for this session, on Linux (fork, abstract sockets); None elsewhere. Its
+    def start(cls, gcs_address: str) -> WarmHost | None:
+        """A host for this cluster, on Linux (fork, abstract sockets); None elsewhere. Its
         output goes with the service's (the actor's log in the dashboard)."""
         if not sys.platform.startswith("linux"):
             return None
-        address = address_for(session)
+        address = warm_start.address_for(gcs_address)
         process = subprocess.Popen(
             [sys.executable, "-m", __name__, address], stdin=subprocess.DEVNULL,
             start_new_session=True,  # a signal to the service's group reaches no controller
         )  # fmt: skip
         return cls(address, process)
-
-    def entrypoint(self, command: str) -> str:
-        """`command` run through the stand-in, with the interpreter `command` names."""
-        parts = shlex.split(command)
-        return shlex.join([parts[0], "-S", str(STAND_IN), self.address, "--", *parts])
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -191,12 +180,12 @@ def _declined(conn: socket.socket, request: dict[str, Any], module: str) -> str 
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     if struct.unpack("3i", creds)[1] != os.getuid():
         return "another user's"
-    argv = request["argv"]
-    if argv[1:3] != ["-m", module]:
-        return f"not `python -m {module}`"
-    python = shutil.which(argv[0], path=request["env"].get("PATH", os.defpath))
-    if python is None or not _same_interpreter(python, sys.executable):
-        return f"{argv[0]} is not this host's interpreter ({sys.executable})"
+    if request["module"] != module:
+        return f"this host runs {module}, not {request['module']}"
+    if not _same_interpreter(request["executable"], sys.executable):
+        return f"{request['executable']} is not this host's interpreter ({sys.executable})"
+    if request["package"] != sys.modules[module.split(".")[0]].__file__:
+        return f"another install of {module.split('.')[0]} ({request['package']})"
     return None
 
 
@@ -233,7 +222,8 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> Non
     os.environ.update(request["env"])
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)
-    sys.argv = [request["argv"][0], *request["argv"][3:]]
+    sys.argv = [sys.argv[0], *request["argv"]]  # runpy puts the module's path first
+    warm_start.FORKED = True
     threading.Thread(target=_relay, args=(conn,), name="warm-relay", daemon=True).start()
 
 

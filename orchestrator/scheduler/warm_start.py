@@ -1,13 +1,14 @@
-"""An admitted job's Ray entrypoint when the head runs a warm controller host (warm_host.py):
-`python -S warm_start.py ADDRESS -- python -m orchestrator.controller ...`.
+"""The first thing a controller's process does (`python -m orchestrator.controller`, the Ray
+job's entrypoint): hand itself over to the head's warm controller host (warm_host.py), if one
+runs for this cluster, and stand in for the controller the host forks.
 
-Standard library only, run with `-S`: it starts in a few tens of ms. It hands this process's
-stdin, stdout, stderr, environment and working directory to the host, which forks a controller
-that has its modules imported already, then stands in for it: the signals Ray's `ray job stop`
-sends are relayed to the controller, and it exits with the controller's code (or dies of its
-signal). If it dies itself (SIGKILL), the controller sees the connection close and dies too, as
-it would in the entrypoint's process group. No host, or a host that declines the command: the
-command runs here as a plain process (the cold start), so nothing depends on the host.
+Standard library only: it runs before any of the imports a forked controller skips. It hands
+this process's stdin, stdout, stderr, environment and working directory to the host over a
+Unix socket, then relays the signals Ray's `ray job stop` sends and exits with the controller's
+code (or dies of its signal). If it dies itself (SIGKILL with its process group), the controller
+sees the connection close and dies too, as it would have in that group. No host, or a host that
+declines (another interpreter, another install of orchestrator): it returns, and the process
+goes on as a cold controller. So the Ray job, its entrypoint and logs are what they always were.
 """
 
 from __future__ import annotations
@@ -21,16 +22,43 @@ import socket
 import sys
 
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FORKED = False  # set in a controller the host forked: it must not hand itself over again
 
 
-def hand_over(address: str, command: list[str]) -> tuple[socket.socket, int] | None:
+def address_for(gcs_address: str) -> str:
+    """The host's socket for a cluster, named by its GCS port (one per machine and network
+    namespace, as the abstract socket namespace is); "@": Linux's abstract namespace."""
+    return f"@orchestrator-controllers-{gcs_address.rsplit(':', 1)[-1]}"
+
+
+def hand_over_or_return(module: str) -> None:
+    """Stand in for a warm controller and exit; return if there is no host to take it."""
+    gcs = os.environ.get("RAY_ADDRESS", "")  # what Ray's job supervisor gives an entrypoint
+    if FORKED or not sys.platform.startswith("linux") or ":" not in gcs or "://" in gcs:
+        return
+    handed = _hand_over(address_for(gcs), module)
+    if handed is None:
+        return
+    code = _stand_in(*handed)
+    sys.stdout.flush()
+    if code < 0:  # it died of a signal: so does its stand-in, for Ray to see the same
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def _hand_over(address: str, module: str) -> tuple[socket.socket, int] | None:
     """The connection to the controller the host forked, and its pid; None if it did not."""
+    package = sys.modules[module.split(".")[0]].__file__
+    request = {
+        "module": module, "argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(),
+        "executable": sys.executable, "package": package,
+    }  # fmt: skip
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(address)
+        conn.connect("\0" + address.removeprefix("@"))
         fds = array.array("i", [0, 1, 2])
         conn.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-        request = {"argv": command, "env": dict(os.environ), "cwd": os.getcwd()}
         body = json.dumps(request).encode()
         conn.sendall(len(body).to_bytes(8, "big") + body)
         reply = _line(conn)
@@ -42,7 +70,7 @@ def hand_over(address: str, command: list[str]) -> tuple[socket.socket, int] | N
     return conn, int(reply.split()[1])
 
 
-def stand_in(conn: socket.socket, pid: int) -> int:
+def _stand_in(conn: socket.socket, pid: int) -> int:
     """Relay signals to the controller until the host reports how it ended."""
 
     def relay(signum: int, _frame: object) -> None:
@@ -54,39 +82,16 @@ def stand_in(conn: socket.socket, pid: int) -> int:
     reply = _line(conn)
     if reply.startswith("exit "):
         return int(reply.split()[1])
-    print(f"warm_start: the controller (pid {pid}) ended, but its exit code went with the warm "
-          "host that started it", file=sys.stderr)  # fmt: skip
+    print(f"the controller (pid {pid}) ended, but its exit code went with the warm host that "
+          "started it", file=sys.stderr)  # fmt: skip
     return 1
 
 
 def _line(conn: socket.socket) -> str:
     data = b""
     while not data.endswith(b"\n"):
-        try:
-            chunk = conn.recv(64)
-        except InterruptedError:
-            continue
+        chunk = conn.recv(64)
         if not chunk:
             break
         data += chunk
     return data.decode().strip()
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) < 4 or argv[2] != "--":
-        sys.exit("usage: warm_start.py ADDRESS -- COMMAND...")
-    address, command = argv[1], argv[3:]
-    if address.startswith("@"):  # Linux's abstract namespace: no file to leave behind
-        address = "\0" + address[1:]
-    handed = hand_over(address, command)
-    if handed is None:
-        os.execvp(command[0], command)
-    code = stand_in(*handed)
-    if code < 0:  # it died of a signal: so does its stand-in, for Ray to see the same
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    sys.exit(code)
-
-
-if __name__ == "__main__":
-    main(sys.argv)
