@@ -164,9 +164,9 @@ QUEUE_HOLD_AFTER_S = _setting("QUEUE_HOLD_AFTER_S", 600.0, positive_float, HEAD)
 # resumable (only jobs that checkpoint), always (also jobs that would start over).
 QUEUE_PREEMPT_WITHIN_TEAM = _setting("QUEUE_PREEMPT_WITHIN_TEAM", "never", within_team, HEAD)
 PREEMPTION_GRACE_S = _setting("PREEMPTION_GRACE_S", 60.0, positive_float, HEAD)
-# Admitted jobs' controllers are forked from a process with their modules imported
-# (scheduler/warm_host.py); off: each starts its own interpreter, as `ray job submit` would.
-WARM_CONTROLLERS = _setting("WARM_CONTROLLERS", True, flag, HEAD)
+# Controllers are forked from a process with their modules imported (scheduler/warm_host.py);
+# off (the default until a crash seen once is explained): each starts its own interpreter.
+WARM_CONTROLLERS = _setting("WARM_CONTROLLERS", False, flag, HEAD)
 
 # --- every node ---------------------------------------------------------------------------------
 NODE_ROOT = _setting("NODE_ROOT", None, text, NODE)  # default: <tmp>/orchestrator

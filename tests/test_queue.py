@@ -163,14 +163,13 @@ def controller_processes(job_ids: set[str]) -> set[str]:
 def test_queued_jobs_hold_no_process_and_answer_at_once(h100s, tmp_path, monkeypatch):
     cluster, address = h100s
     root = str(tmp_path / "storage")
-    gate, last_gate = tmp_path / "gate", tmp_path / "last-gate"
+    gate = tmp_path / "gate"
     blocker = push(job(tmp_path / "blocker", WAIT_FOR_GATE.format(gate=gate), nodes=4),
                    address=address, storage_root=root)  # fmt: skip
     try:
         eventually(lambda: blocker.status() == JobState.RUNNING, "the blocker to run", 60)
-        commands = ["echo ran"] * 5 + [WAIT_FOR_GATE.format(gate=last_gate)]
-        queued = [push(job(tmp_path / f"q{i}", command, nodes=4), address=address,
-                       storage_root=root) for i, command in enumerate(commands)]  # fmt: skip
+        queued = [push(job(tmp_path / f"q{i}", "echo ran", nodes=4), address=address,
+                       storage_root=root) for i in range(6)]  # fmt: skip
         ids = {handle.id for handle in queued}
         # In the queue the moment push returns: listed, re-prioritised, stopped.
         assert {row["job_id"] for row in queue(storage_root=root)} == ids
@@ -190,14 +189,6 @@ def test_queued_jobs_hold_no_process_and_answer_at_once(h100s, tmp_path, monkeyp
             ray.kill(service, no_restart=False)
     finally:
         gate.touch()  # the jobs after this one need the nodes
-    try:  # the service started its controller: forked from the warm host, not a new interpreter
-        eventually(lambda: last.status() == JobState.RUNNING, "the re-prioritised job to run", 60)
-        driver = JobSubmissionClient(address).get_job_info(last.id).driver_info
-        assert (
-            "orchestrator.scheduler.warm_host" in psutil.Process(int(driver.pid)).parent().cmdline()
-        )
-    finally:
-        last_gate.touch()
     for handle in queued[1:]:
         assert handle.wait(timeout=120) == JobState.COMPLETED, handle.logs()
     assert queued[0].status() == JobState.STOPPED

@@ -17,8 +17,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import eventually
+from conftest import eventually, make_job, simulated_cluster
+from ray.job_submission import JobSubmissionClient
 
+from orchestrator import settings
+from orchestrator.client.api import push
+from orchestrator.lifecycle import JobState
 from orchestrator.scheduler import warm_host, warm_start
 
 PROBE = """
@@ -190,3 +194,58 @@ def test_the_host_ends_with_the_service_that_started_it_and_its_controllers_run_
         if service.poll() is None:
             service.kill()
             service.wait(10)
+
+
+# --- on a Ray cluster ---------------------------------------------------------------------------
+
+WAIT = (
+    "python -c \"import pathlib, time\nwhile not pathlib.Path('{gate}').exists(): time.sleep(0.1)\""
+)
+
+
+def one_node_job(directory: Path, command: str) -> Path:
+    return make_job(directory, f"""
+        from truss_train import definitions as d
+        project = d.TrainingProject(name="warm", job=d.TrainingJob(
+            image=d.Image(base_image="python:3.11"),
+            compute=d.Compute(node_count=1, cpu_count=1, memory="128Mi"),
+            runtime=d.Runtime(start_commands=[{command!r}]),
+        ))
+        """)  # fmt: skip
+
+
+@pytest.fixture
+def warm_cluster(orchestrator_home, monkeypatch):
+    """A cluster whose head runs warm controllers (ORCHESTRATOR_WARM_CONTROLLERS in the
+    environment its processes start with)."""
+    monkeypatch.setenv(settings.WARM_CONTROLLERS.name, "1")
+    cluster, address = simulated_cluster()
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        yield address
+    finally:
+        cluster.shutdown()
+
+
+def test_a_controller_started_through_the_queue_runs_forked_and_stops_as_a_cold_one(
+    warm_cluster, tmp_path
+):
+    address, root = warm_cluster, str(tmp_path / "storage")
+    first = push(one_node_job(tmp_path / "first", "echo first"), address=address,
+                 storage_root=root)  # fmt: skip
+    assert first.wait(timeout=120) == JobState.COMPLETED  # cold: it starts the queue service
+    gate = tmp_path / "gate"
+    job = push(one_node_job(tmp_path / "second", WAIT.format(gate=gate)), address=address,
+               storage_root=root)  # fmt: skip
+    try:
+        eventually(lambda: job.status() == JobState.RUNNING, "the second job to run", 60)
+        info = JobSubmissionClient(address).get_job_info(job.id)
+        assert info.entrypoint.split()[1:3] == ["-m", "orchestrator.controller"]  # as before
+        controller = psutil.Process(int(info.driver_info.pid))
+        assert "orchestrator.scheduler.warm_host" in controller.parent().cmdline()
+        assert job.stop(timeout=60) == JobState.STOPPED  # `ray job stop`: relayed, recorded
+        assert any("STOPPED" in line for line in job.logs())
+        eventually(lambda: gone(controller.pid), "the controller's process to end", 30)
+    finally:
+        gate.touch()

@@ -299,7 +299,7 @@ def test_the_node_cache_evicts_the_least_recently_used_set_under_its_budget(
             ]
             job = push(weights_job(tmp_path / name, weights), address=info.dashboard_url,
                        storage_root=storage_root)  # fmt: skip
-            assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()[-10:]
+            assert job.wait(timeout=120) == JobState.COMPLETED, (job.logs()[-10:], job.details())
             return job
 
         fsspec.filesystem("s3", skip_instance_cache=True).pipe(

@@ -41,7 +41,12 @@ from typing import Any
 from orchestrator.scheduler import warm_start
 
 MODULE = "orchestrator.controller"  # the only command it runs: `python -m orchestrator.controller`
-PRELOAD = ("ray", "orchestrator.agents.services", "orchestrator.scheduler", f"{MODULE}.controller")
+# What a controller imports, also what it imports late (the storage retry's exception types:
+# aiohttp builds an SSL context as it imports, which the one crash seen was doing).
+PRELOAD = (
+    "ray", "orchestrator.agents.services", "orchestrator.scheduler", f"{MODULE}.controller",
+    "aiohttp", "botocore.exceptions", "google.auth.exceptions",
+)  # fmt: skip
 _POLL_S = 0.5  # how often it reaps its children and looks for its parent
 
 
@@ -121,8 +126,6 @@ def serve(address: str, parent: int, module: str = MODULE) -> dict[str, Any]:
             return request
         for fd in fds:
             os.close(fd)
-        with contextlib.suppress(OSError):
-            conn.sendall(f"pid {pid}\n".encode())
         children[pid] = conn
     sys.exit(0)
 
@@ -224,6 +227,9 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> Non
         signal.signal(signum, signal.SIG_DFL)
     sys.argv = [sys.argv[0], *request["argv"]]  # runpy puts the module's path first
     warm_start.FORKED = True
+    # Said by the child, not the host: a host that dies after the fork cannot leave a stand-in
+    # that saw no answer, went on cold, and ran the job's controller a second time.
+    conn.sendall(f"pid {os.getpid()}\n".encode())
     threading.Thread(target=_relay, args=(conn,), name="warm-relay", daemon=True).start()
 
 
@@ -241,7 +247,8 @@ def main(argv: list[str]) -> None:
     address, module = argv[1], argv[2] if len(argv) > 2 else MODULE
     parent = os.getppid()
     for name in (*PRELOAD, module):
-        importlib.import_module(name)
+        with contextlib.suppress(ImportError):  # an optional storage client not installed
+            importlib.import_module(name)
     gc.collect()
     gc.freeze()  # the imported objects' pages stay shared: no collection touches them
     print(f"warm host: ready on {address}", file=sys.stderr, flush=True)

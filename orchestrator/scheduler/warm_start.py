@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+from typing import BinaryIO
 
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 FORKED = False  # set in a controller the host forked: it must not hand itself over again
@@ -47,7 +48,7 @@ def hand_over_or_return(module: str) -> None:
     os._exit(code)
 
 
-def _hand_over(address: str, module: str) -> tuple[socket.socket, int] | None:
+def _hand_over(address: str, module: str) -> tuple[socket.socket, BinaryIO, int] | None:
     """The connection to the controller the host forked, and its pid; None if it did not."""
     package = sys.modules[module.split(".")[0]].__file__
     request = {
@@ -61,16 +62,17 @@ def _hand_over(address: str, module: str) -> tuple[socket.socket, int] | None:
         conn.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         body = json.dumps(request).encode()
         conn.sendall(len(body).to_bytes(8, "big") + body)
-        reply = _line(conn)
+        reader = conn.makefile("rb")
+        reply = _line(reader)  # the forked controller's own first word: it runs
     except OSError:
         return None
-    if not reply.startswith("pid "):  # declined ("cold: why"), or the host broke off
+    if not reply.startswith("pid "):  # declined ("cold: why"), or the host broke off first
         conn.close()
         return None
-    return conn, int(reply.split()[1])
+    return conn, reader, int(reply.split()[1])
 
 
-def _stand_in(conn: socket.socket, pid: int) -> int:
+def _stand_in(conn: socket.socket, reader: BinaryIO, pid: int) -> int:
     """Relay signals to the controller until the host reports how it ended."""
 
     def relay(signum: int, _frame: object) -> None:
@@ -79,7 +81,7 @@ def _stand_in(conn: socket.socket, pid: int) -> int:
 
     for signum in RELAYED:
         signal.signal(signum, relay)
-    reply = _line(conn)
+    reply = _line(reader)
     if reply.startswith("exit "):
         return int(reply.split()[1])
     print(f"the controller (pid {pid}) ended, but its exit code went with the warm host that "
@@ -87,11 +89,8 @@ def _stand_in(conn: socket.socket, pid: int) -> int:
     return 1
 
 
-def _line(conn: socket.socket) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(64)
-        if not chunk:
-            break
-        data += chunk
-    return data.decode().strip()
+def _line(reader: BinaryIO) -> str:
+    try:
+        return reader.readline().decode().strip()
+    except OSError:
+        return ""
