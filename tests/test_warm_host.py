@@ -160,8 +160,8 @@ def test_a_controller_that_dies_of_a_signal_takes_its_stand_in_with_it(host, tmp
 
 def test_without_a_host_or_for_another_module_the_process_goes_on_cold(host, tmp_path):
     gcs, _ = host
-    for run in (entrypoint(gcs, tmp_path, "exit", "0", module="other_probe"),
-                entrypoint(a_cluster(), tmp_path, "exit", "0")):  # fmt: skip
+    for where, module in ((gcs, "other_probe"), (a_cluster(), "warm_probe")):  # one at a time
+        run = entrypoint(where, tmp_path, "exit", "0", module=module)
         out, _ = run.communicate(timeout=30)
         assert run.returncode == 0 and out.startswith("probe ['exit', '0']")
         assert probe_pid(tmp_path) == run.pid  # in its own process

@@ -1,5 +1,6 @@
-"""The warm controller host: one process on the head, started by the queue service, that has a
-controller's modules imported and forks a controller for each admitted job.
+"""The warm controller host: one process on the head, started by the queue service (when
+ORCHESTRATOR_WARM_CONTROLLERS is on), that has a controller's modules imported and forks each
+controller that starts on the head.
 
 A cold controller pays a Python interpreter's start and ~1.2 s of imports (ray, pydantic,
 fsspec, ours) before its first line; on a 2-core head that CPU is also what slows a sweep of
@@ -51,7 +52,7 @@ _POLL_S = 0.5  # how often it reaps its children and looks for its parent
 
 
 class WarmHost:
-    """The service's handle on its host process."""
+    """The service's handle on its host process (which ends by itself when the service does)."""
 
     def __init__(self, address: str, process: subprocess.Popen) -> None:
         self.address, self.process = address, process
@@ -68,16 +69,6 @@ class WarmHost:
             start_new_session=True,  # a signal to the service's group reaches no controller
         )  # fmt: skip
         return cls(address, process)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self) -> None:
-        """The host ends; the controllers it forked run on."""
-        if self.alive():
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(5)
 
 
 # --- inside the host --------------------------------------------------------------------------
