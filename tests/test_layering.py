@@ -84,3 +84,17 @@ def test_no_circle_of_imports_between_modules():
         if module not in state:
             visit(module, [module])
     assert not circles, "\n".join(circles)
+
+
+def test_a_submodule_import_from_the_package_loads_no_spec():
+    """`from orchestrator import settings` (every controller and node agent does such imports)
+    must not go through the package's lazy names, which load the spec's pydantic models."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from orchestrator import settings, actor_names; "
+        "print(sorted(m for m in sys.modules if m.startswith('orchestrator.spec')))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
