@@ -20,7 +20,10 @@ from test_cli_checkpoints import cli, make_record
 
 from orchestrator.client.api import get_job
 from orchestrator.client.metrics import time_in_states
+from orchestrator.client.metrics_plot import write_report
+from orchestrator.client.metrics_text import job_lines
 from orchestrator.lifecycle import JobState
+from orchestrator.storage.checkpoints import Manifest, manifest_path
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.metrics import (
     GpuSample,
@@ -39,6 +42,7 @@ from orchestrator.storage.records import (
 from orchestrator.storage.root import StorageRoot
 
 GiB = 1024**3
+MiB = 1024**2
 JOB = "job-metrics"
 # Seconds spent in each state before RUNNING began (RUNNING counts up to now).
 CREATED_S, DEPLOYING_S, RUNNING_FOR_S = 10.0, 15.0, 375.0
@@ -167,6 +171,7 @@ def test_json_carries_every_rank_sample_and_the_job_totals(root_url):
     assert data["uploads"] == {
         "waiting": 1, "waiting_bytes": 2 * GiB, "oldest_waiting_s": 40.0,
         "uploaded": 5, "uploaded_bytes": 10 * GiB, "mean_upload_s": 9.0,
+        "stored": None, "stored_bytes": None,  # counted from the store once the job has ended
     }  # fmt: skip
     assert [(w["rank"], w["tier"], w["bytes_copied"]) for w in data["weights"]] == [
         (0, "mirror", 3 * GiB), (1, "node", 0)
@@ -274,6 +279,45 @@ def test_job_handle_metrics_and_plot_have_every_rank(root_url):
     assert request.line.dash == "dash" and set(request.y) == {32.0}
     titles = [a.text for a in fig.layout.annotations]
     assert "GPU utilisation (%)" in titles and "checkpoints waiting to upload" in titles
+
+
+def test_an_ended_job_says_what_the_store_holds_not_what_its_last_sample_saw(tmp_path):
+    """mnist's last sample came before its final uploads (1 uploaded): once the job has ended,
+    the panel, the JSON and the HTML report count the 4 checkpoints the store holds."""
+    root = StorageRoot(tmp_path / "storage")
+    now = time.time()
+    store = JobStore(root)
+    store.create(make_record("mnist-job", "mnist", now - 60), _status("mnist-job", [
+        (JobState.CREATED, now - 60), (JobState.DEPLOYING, now - 50), (JobState.RUNNING, now - 40)
+    ]))  # fmt: skip
+    last = UploadStats(waiting=1, waiting_bytes=256 * MiB, uploaded=1, uploaded_bytes=256 * MiB,
+                       upload_seconds=2.0)  # fmt: skip
+    rank = RankMetrics(job_id="mnist-job", rank=0, hostname="gpu-node-a")
+    rank.add(MetricsSample(at=now - 5, cpu_cores=1.0, memory_bytes=GiB, processes=2, uploads=last))
+    write_rank_metrics(root, rank)
+    for n in range(4):
+        manifest = Manifest(project="mnist", job_id="mnist-job", node_rank=0, name=f"epoch-{n}",
+                            files=[], size_bytes=256 * MiB, created_at=now - 30 + n)  # fmt: skip
+        root.write_bytes(manifest_path("mnist", "mnist-job", 0, manifest.name),
+                         manifest.model_dump_json().encode())  # fmt: skip
+
+    running = dict(job_lines(get_job("mnist-job", storage_root=root.url).metrics()))
+    assert running["checkpoint uploads"] == (
+        "1 waiting (256.0 MiB), 1 uploaded (256.0 MiB, 2.0 s each on average)"
+    )  # while it runs: the live figures, stored or not
+    store.put_status(store.status("mnist-job").moved_to(JobState.COMPLETED, "exited 0"))
+
+    text = cli("metrics", "--job-id", "mnist-job", "--storage-root", root.url, "--once").stdout
+    assert "checkpoint uploads  none waiting, 4 stored (1.0 GiB)" in text
+    as_json = json.loads(cli("metrics", "--job-id", "mnist-job", "--storage-root", root.url,
+                             "-o", "json").stdout)  # fmt: skip
+    uploads = as_json["uploads"]
+    assert (uploads["waiting"], uploads["stored"], uploads["stored_bytes"]) == (0, 4, GiB)
+    assert uploads["uploaded"] == 1  # what the last sample saw, kept as it was
+    report = write_report(
+        get_job("mnist-job", storage_root=root.url).metrics(), tmp_path / "r.html"
+    )
+    assert "<td>none waiting, 4 stored (1.0 GiB)</td>" in report.read_text()
 
 
 def test_a_cpu_job_has_no_gpu_panels(tmp_path):

@@ -8,6 +8,7 @@ here plays the service's side of the file protocol (`take_requests`, then `put`)
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from orchestrator.cli.app import app
 from orchestrator.client.queue import capacity, queue, set_capacity, update_priority
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.lifecycle import JobState
+from orchestrator.storage import layout
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.queue_store import (
     NodeView,
@@ -174,6 +176,30 @@ def test_queue_lists_waiting_jobs_next_first_then_unconsidered_then_impossible(r
     assert "run-v" not in out
     as_json = json.loads(invoke("queue", "-o", "json", "--storage-root", root.url))
     assert [r["job_id"] for r in as_json] == ["wait-s", "wait-v", "wait-n", "huge-s"]
+
+
+def test_queue_names_each_job_by_its_project_and_name_from_its_record(root):
+    store = JobStore(root)
+    named = make_record("wait-s", "speech", 20.0).model_copy(update={"job_name": "asr-large"})
+    store.create(named, JobStatus.new("wait-s"))
+    store.create(make_record("wait-v", "vision", 10.0), JobStatus.new("wait-v"))  # no name
+    root.write_bytes(layout.record("huge-s"), b"{not json")  # unreadable; wait-n has none
+    rows = {r["job_id"]: r for r in queue(storage_root=root.url)}
+    assert (rows["wait-s"]["project"], rows["wait-s"]["job_name"]) == ("speech", "asr-large")
+    assert (rows["wait-v"]["project"], rows["wait-v"]["job_name"]) == ("vision", None)
+    assert rows["wait-n"]["project"] is None and rows["huge-s"]["job_name"] is None
+
+    out = invoke("queue", "--storage-root", root.url)
+    lines = {job: next(line for line in out.splitlines() if job in line)
+             for job in ("wait-s", "wait-v", "wait-n", "huge-s")}  # fmt: skip
+    assert "│ speech/asr-large │" in lines["wait-s"]
+    assert re.search(r"│ wait-v │ vision +│ vision +│", lines["wait-v"])  # no name: the project
+    assert "│ wait-n │ -" in lines["wait-n"] and "│ huge-s │ -" in lines["huge-s"]
+    as_json = json.loads(invoke("queue", "-o", "json", "--storage-root", root.url))
+    assert [(r["job_id"], r["project"], r["job_name"]) for r in as_json] == [
+        ("wait-s", "speech", "asr-large"), ("wait-v", "vision", None), ("wait-n", None, None),
+        ("huge-s", None, None),
+    ]  # fmt: skip
 
 
 def test_queue_all_says_why_each_running_job_was_or_was_not_preempted(tmp_path):

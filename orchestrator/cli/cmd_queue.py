@@ -29,7 +29,8 @@ def queue(
         console.print("the queue is empty: no job is waiting")
         return
     table = Table(title="queue")
-    for column in ("position", "job", "team", "priority", "waiting since", "needs", "reason"):
+    columns = ("position", "job", "name", "team", "priority", "waiting since", "needs", "reason")
+    for column in columns:
         table.add_column(column, no_wrap=column == "job")
     for r in rows:
         position = str(r["position"]) if r["position"] is not None else "-"
@@ -38,6 +39,14 @@ def queue(
             position, reason = "-", f"[red]impossible: {reason}[/red]"
         elif r["state"] == "admitted":
             position = "running"
-        table.add_row(position, r["job_id"], escape(r["team"] or "-"), str(r["priority"]),
-                      when(r["pushed_at"]), r["demand"], reason)  # fmt: skip
+        table.add_row(position, r["job_id"], escape(_name(r)), escape(r["team"] or "-"),
+                      str(r["priority"]), when(r["pushed_at"]), r["demand"], reason)  # fmt: skip
     console.print(table)
+
+
+def _name(row: dict) -> str:
+    """`<project>/<job name>`, the project alone for a job without a name; "-" when the job's
+    record could not be read."""
+    if row["project"] is None:
+        return "-"
+    return f"{row['project']}/{row['job_name']}" if row["job_name"] else row["project"]

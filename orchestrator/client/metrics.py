@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from orchestrator.lifecycle import JobState
+from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.metrics import (
     DISK_DIRS,
     MetricsSample,
@@ -47,7 +48,8 @@ class WeightDelivery:
 
 @dataclass(frozen=True)
 class UploadTotals:
-    """Checkpoint uploads summed over the ranks, as each rank's latest sample saw them."""
+    """Checkpoint uploads summed over the ranks, as each rank's latest sample saw them; once the
+    job has ended, what the checkpoint store holds too (`stored`), and nothing waits."""
 
     waiting: int = 0
     waiting_bytes: int = 0
@@ -55,6 +57,8 @@ class UploadTotals:
     uploaded: int = 0
     uploaded_bytes: int = 0
     mean_upload_s: float | None = None  # None until something was uploaded
+    stored: int | None = None  # the job's checkpoints in the store; None while the job runs
+    stored_bytes: int | None = None
 
     @classmethod
     def of(cls, stats: list[UploadStats]) -> UploadTotals | None:
@@ -70,6 +74,22 @@ class UploadTotals:
             uploaded=uploaded,
             uploaded_bytes=sum(s.uploaded_bytes for s in stats),
             mean_upload_s=sum(s.upload_seconds for s in stats) / uploaded if uploaded else None,
+        )
+
+    @classmethod
+    def after_end(cls, sampled: UploadTotals | None, stored: list[Manifest]) -> UploadTotals | None:
+        """An ended job's uploads: its last samples may predate its final uploads (the uploaders
+        flush before the end is recorded), so the store says what was kept. None when no rank
+        reported an uploader and nothing is stored (no checkpointing)."""
+        if sampled is None and not stored:
+            return None
+        return replace(
+            sampled or cls(),
+            waiting=0,
+            waiting_bytes=0,
+            oldest_waiting_s=None,
+            stored=len(stored),
+            stored_bytes=sum(m.size_bytes for m in stored),
         )
 
 
@@ -92,6 +112,12 @@ class JobMetrics:
     ) -> JobMetrics:
         ranks = [_with_node(r, status) for r in read_job_metrics(root, record.job_id)]
         read_at = time.time() if now is None else now
+        uploads = UploadTotals.of(
+            [r.samples[-1].uploads for r in ranks if r.samples and r.samples[-1].uploads]
+        )
+        if status.state.is_terminal:
+            stored = CheckpointStore(root).list(record.project_key, record.job_id)
+            uploads = UploadTotals.after_end(uploads, stored)
         return cls(
             job_id=record.job_id,
             project=record.project,
@@ -106,9 +132,7 @@ class JobMetrics:
                 for w in status.weights
                 for n in w.nodes
             ],
-            uploads=UploadTotals.of(
-                [r.samples[-1].uploads for r in ranks if r.samples and r.samples[-1].uploads]
-            ),
+            uploads=uploads,
         )
 
     @property

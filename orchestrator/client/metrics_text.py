@@ -105,6 +105,11 @@ def _uploads(u: UploadTotals) -> str:
         if u.oldest_waiting_s is not None:
             waiting += f", oldest for {duration(u.oldest_waiting_s)}"
         waiting += ")"
+    if u.stored is not None:  # the job has ended: what the store holds, not the last sample
+        stored = f"{u.stored} stored"
+        if u.stored:
+            stored += f" ({human_bytes(u.stored_bytes or 0)})"
+        return f"{waiting}, {stored}"
     uploaded = f"{u.uploaded} uploaded"
     if u.uploaded:
         uploaded += f" ({human_bytes(u.uploaded_bytes)}"

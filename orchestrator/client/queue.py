@@ -94,8 +94,10 @@ def capacity(*, storage_root: str | None = None) -> dict[str, Any]:
 def queue(*, include_running: bool = False, storage_root: str | None = None) -> list[dict]:
     """The jobs waiting, next to start first: each with its position, why it waits and what it
     needs; then the impossible ones (they fit no node). `include_running`: admitted jobs
-    first."""
-    store = QueueStore(storage(storage_root))
+    first. Each row names the job's project and name, from its record (None where it cannot
+    be read)."""
+    root = storage(storage_root)
+    store = QueueStore(root)
     view = store.view()
     waiting = {w.job_id: w for w in view.waiting} if view else {}
     impossible = view.impossible if view else {}
@@ -112,7 +114,8 @@ def queue(*, include_running: bool = False, storage_root: str | None = None) -> 
             rows.append(((1, w.position), _row(e, "queued", w.position, w.reason)))
         else:
             rows.append(((2, 0), _row(e, "queued", None, NOT_CONSIDERED)))
-    return [row for _, row in sorted(rows, key=lambda r: r[0])]
+    jobs = JobStore(root)
+    return [_named(row, jobs) for _, row in sorted(rows, key=lambda r: r[0])]
 
 
 def update_priority(
@@ -178,6 +181,17 @@ def _row(entry: QueueEntry, state: str, position: int | None, reason: str) -> di
         "demand": demand_text(entry),
         "state": state,
     }
+
+
+def _named(row: dict, jobs: JobStore) -> dict:
+    """The row with the job's project and name beside its id: one record read. A record gone or
+    unreadable gives None for both rather than hiding the rest of the queue."""
+    try:
+        record = jobs.record(row["job_id"])
+        project, job_name = record.project, record.job_name
+    except (OrchestratorError, OSError, ValueError):  # ValueError: a record that is not one
+        project, job_name = None, None
+    return {"job_id": row["job_id"], "project": project, "job_name": job_name, **row}
 
 
 def _running_reason(entry: QueueEntry, spared: Mapping[str, str]) -> str:
