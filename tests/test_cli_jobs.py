@@ -63,6 +63,10 @@ def test_push_view_logs_and_stop_the_most_recent_job(tmp_path, storage_root):
                             "-o", "json").stdout)  # fmt: skip
     assert [e["state"] for e in detail["history"]] == ["CREATED", "DEPLOYING", "RUNNING"]
     assert detail["nodes_detail"][0]["rank"] == 0
+    assert detail["dashboard_url"].endswith(f"/#/jobs/{job_id}")
+    assert detail["dashboard_url"].startswith("http://127.0.0.1:")
+    shown = cli("view", "--job-id", job_id, "--storage-root", storage_root).stdout
+    assert detail["dashboard_url"] in shown.replace("\n", "")
 
     logs = cli("logs", "--storage-root", storage_root)
     assert f"using the most recent job, {job_id}" in logs.stdout

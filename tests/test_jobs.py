@@ -253,6 +253,8 @@ def test_ray_job_metadata_names_the_job_and_holds_no_spec(tmp_path, storage_root
     assert info.submission_id == job.id
     assert info.metadata["orchestrator_project"] == "meta-project"
     assert info.metadata["orchestrator_job_name"] == "meta-job"
+    assert info.metadata["job_name"] == "meta-project/meta-job"  # the dashboard's Name column
+    assert info.entrypoint.startswith(": 'meta-project/meta-job: echo meta'; exec ")
     assert "orchestrator.controller" in info.entrypoint
     job.wait(timeout=60)
 

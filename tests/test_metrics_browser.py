@@ -8,25 +8,19 @@ skips these tests instead.
 from __future__ import annotations
 
 import base64
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, Route, sync_playwright
+from browser import chromium
+from playwright.sync_api import Browser, Page, Route
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from test_metrics_report import JOB, write_job
 
 from orchestrator.client.api import get_job
 from orchestrator.client.metrics_plot import write_report
 from orchestrator.storage.root import StorageRoot
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
-]  # fmt: skip
 
 # Every line plotly drew, with the legend group (rank) and name of its trace.
 _TRACE_PATHS = """() => Array.from(document.querySelectorAll('g.trace.scatter')).map(g => {
@@ -53,19 +47,8 @@ _COLOURS = """async (png) => {
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    if os.environ.get("ORCHESTRATOR_SKIP_BROWSER_TESTS") == "1":
-        pytest.skip(
-            "ORCHESTRATOR_SKIP_BROWSER_TESTS=1: the HTML report is not checked in a browser"
-        )
-    if not CHROMIUM.exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: run tests/install-browser.sh (or set "
-            "ORCHESTRATOR_SKIP_BROWSER_TESTS=1 to skip the browser tests)"
-        )
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+    with chromium() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="module")

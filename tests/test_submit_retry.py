@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -19,7 +20,7 @@ from orchestrator.cluster.local import LocalCluster, embedded_env
 from orchestrator.errors import OrchestratorError, SubmitError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.job_store import JobStore
-from orchestrator.storage.queue_store import QueueStore
+from orchestrator.storage.queue_store import STARTING, QueueStore
 from orchestrator.storage.root import StorageRoot
 
 ADDRESS = "http://127.0.0.1:8265"
@@ -28,6 +29,7 @@ NO_AGENT = RuntimeError(
     "later.."
 )
 REFUSED = ConnectionError(f"Failed to connect to Ray at address: {ADDRESS}.")
+SESSION = "session_1"
 
 
 class FakeJobSubmissionClient:
@@ -56,6 +58,10 @@ class FakeJobSubmissionClient:
             )
         self.submitted.append(submission_id)
         return submission_id
+
+    def _do_request(self, method: str, path: str) -> object:
+        assert (method, path) == ("GET", "/api/version")
+        return SimpleNamespace(status_code=200, json=lambda: {"session_name": SESSION})
 
     def get_job_info(self, submission_id: str) -> object:
         if submission_id not in self.submitted:
@@ -151,6 +157,53 @@ def test_a_controller_the_queue_service_started_meanwhile_is_the_pushs_own(head)
     connection = Connection(address=ADDRESS, embedded=False)
     submit.submit_ray_job(connection.client, ADDRESS, "j1", exists_is_ours=True, entrypoint="true")
     assert head.submitted == ["j1"]
+
+
+def test_first_pushes_to_a_root_leave_all_but_one_queued_for_the_service_it_starts(head, tmp_path):
+    """No service watches a new root: the first push starts its controller (which starts the
+    service); the next waits for that service and leaves its job queued, with no Ray job of
+    its own (the dashboard would call it RUNNING while it waits)."""
+    root = StorageRoot(tmp_path / "storage")
+    first = push(make_job(tmp_path / "a", RUN), address=ADDRESS, storage_root=root.url)
+    assert head.submitted == [first.id]
+    service = threading.Timer(1.0, lambda: QueueStore(root).beat(SESSION, time.time()))
+    service.start()
+    started = time.monotonic()
+    second = push(make_job(tmp_path / "b", RUN), address=ADDRESS, storage_root=root.url)
+    assert 0.9 < time.monotonic() - started < 10  # until the service beat
+    assert head.submitted == [first.id]
+    (entry,) = [e for e in QueueStore(root).incoming() if e.job_id == second.id]
+    assert entry.launched_at is None  # the service's to start
+
+
+def test_a_first_push_refused_lets_the_next_start_the_service_at_once(head, tmp_path):
+    root = StorageRoot(tmp_path / "storage")
+    head.script[:] = [RuntimeError("Request failed with status code 400: no..")]
+    with pytest.raises(SubmitError):
+        push(make_job(tmp_path / "a", RUN), address=ADDRESS, storage_root=root.url)
+    assert not root.exists(f"{STARTING}/{SESSION}.json")
+    started = time.monotonic()
+    second = push(make_job(tmp_path / "b", RUN), address=ADDRESS, storage_root=root.url)
+    assert head.submitted == [second.id] and time.monotonic() - started < 5
+
+
+def test_pushes_start_their_own_controllers_when_the_service_does_not_come(
+    head, tmp_path, monkeypatch
+):
+    """A starting push whose service never beat (its controller died first): the pushes after
+    it wait SERVICE_START_S from its claim, then start theirs, and a claim that old is taken
+    over at once."""
+    monkeypatch.setattr(submit, "SERVICE_START_S", 1.0)
+    monkeypatch.setattr("orchestrator.storage.queue_store.SERVICE_START_S", 1.0)
+    root = StorageRoot(tmp_path / "storage")
+    first = push(make_job(tmp_path / "a", RUN), address=ADDRESS, storage_root=root.url)
+    started = time.monotonic()
+    second = push(make_job(tmp_path / "b", RUN), address=ADDRESS, storage_root=root.url)
+    assert 0.5 < time.monotonic() - started < 5
+    started = time.monotonic()
+    third = push(make_job(tmp_path / "c", RUN), address=ADDRESS, storage_root=root.url)
+    assert time.monotonic() - started < 0.9  # the claim it found was stale: its own now
+    assert head.submitted == [first.id, second.id, third.id]
 
 
 RUN = """

@@ -138,6 +138,7 @@ def _job_detail(job: JobHandle) -> dict:
         "team": job.record.team,
         "storage_root": job.record.storage_root,
         "ray_address": job.record.ray_address,
+        "dashboard_url": job.dashboard_url,
         "history": [e.model_dump(mode="json") for e in details.history],
         "failure": details.failure.model_dump(mode="json") if details.failure else None,
         "nodes_detail": [n.model_dump(mode="json") for n in details.nodes],
@@ -183,6 +184,10 @@ def _print_detail(job: JobHandle) -> None:
     for key in ("id", "project", "name", "team", "status", "created", "ray_address",
                 "storage_root"):  # fmt: skip
         table.add_row(key, escape(str(d[key] if d[key] is not None else "-")))
+    if d["dashboard_url"]:
+        queued = d["status"] in (JobState.CREATED.value, JobState.PENDING.value)
+        later = " (once the queue admits it; until then: orchestrator queue)" if queued else ""
+        table.add_row("dashboard", escape(d["dashboard_url"]) + later)
     for event in d["history"]:
         reason = escape(event["reason"] or "")
         table.add_row("", f"{when(event['at'])}  {event['state']}  {reason}")

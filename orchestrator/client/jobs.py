@@ -53,6 +53,16 @@ class JobHandle:
     def project_id(self) -> str:
         return self.record.project_key
 
+    @property
+    def dashboard_url(self) -> str | None:
+        """The job's page in the Ray dashboard (its Ray job: the controller's, submission id =
+        job id), where the cluster was reached through its dashboard; None otherwise. A queued
+        job has no page until it is admitted: the queue is `orchestrator queue`."""
+        address = (self.record.ray_address or "").rstrip("/")
+        if not address.startswith(("http://", "https://")):
+            return None
+        return f"{address}/#/jobs/{self.id}"
+
     def __repr__(self) -> str:
         return f"<TrainingJob {self.id} project={self.project!r} status={self.status().value}>"
 
@@ -239,7 +249,7 @@ class JobHandle:
         """Run one shell command in the running job's rank `rank`, as its commands run (working
         directory, environment, secrets resolved on the node and masked in the output); its
         exit code and output. Goes through the Job API as a short Ray job: no SSH, no ports."""
-        from orchestrator.client.submit import remote_python, submit_ray_job
+        from orchestrator.client.submit import dashboard_name, remote_python, submit_ray_job
         from orchestrator.controller.job_shell import NOT_RUN_EXIT, OUTPUT_MARKER
 
         if (state := self.refresh().state).is_terminal:
@@ -252,7 +262,10 @@ class JobHandle:
         shell_id = f"{self.id}-shell-{uuid.uuid4().hex[:8]}"
         submit_ray_job(
             self._client, str(self.record.ray_address), shell_id, entrypoint=entrypoint,
-            entrypoint_num_cpus=0, metadata={"orchestrator_shell_of": self.id},
+            entrypoint_num_cpus=0, metadata={
+                "orchestrator_shell_of": self.id,
+                "job_name": f"{dashboard_name(self.record)}: exec on rank {rank}",
+            },
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s + 120
         while not client.get_job_status(shell_id).is_terminal():

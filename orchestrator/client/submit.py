@@ -21,7 +21,13 @@ from orchestrator.scheduler.entries import entry_for
 from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.projects import ProjectRecord, ProjectStore
-from orchestrator.storage.queue_store import INCOMING, Launch, QueueStore
+from orchestrator.storage.queue_store import (
+    INCOMING,
+    SERVICE_START_S,
+    STARTING,
+    Launch,
+    QueueStore,
+)
 from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus, RetryPolicy
 from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.root import StorageRoot
@@ -115,15 +121,50 @@ def remote_python(embedded: bool) -> str:
     return settings.PYTHON.get() or (sys.executable if embedded else "python")
 
 
-def controller_entrypoint(job_id: str, root: StorageRoot, connection: Connection) -> str:
+def controller_entrypoint(
+    job_id: str, root: StorageRoot, connection: Connection, runs: str = ""
+) -> str:
+    """The controller's command, after a no-op saying what the job runs (`runs`, quoted: never
+    expanded): the dashboard's Entrypoint column shows its start, cut to the column's width.
+    `exec` keeps the controller the process Ray's job supervisor started, as without it."""
     python = remote_python(connection.embedded)
-    return " ".join(
+    command = " ".join(
         shlex.quote(part)
         for part in (
             python, "-m", "orchestrator.controller", "--job-id", job_id,
             "--storage-root", root.url, "--scheduling-timeout", f"{scheduling_timeout():g}",
         )
     )  # fmt: skip
+    return f": {shlex.quote(runs)}; exec {command}" if runs else command
+
+
+# The dashboard shows the entrypoint in one line of a table: the comment is cut to this.
+_RUNS_MAX_CHARS = 300
+
+
+def runs_comment(record: JobRecord) -> str:
+    """What the job runs, for the dashboard: its name and start commands, on one line."""
+    commands = " && ".join(record.spec.job.runtime.start_commands)
+    line = " ".join(f"{dashboard_name(record)}: {commands}".split())
+    return line if len(line) <= _RUNS_MAX_CHARS else line[: _RUNS_MAX_CHARS - 3] + "..."
+
+
+def dashboard_name(record: JobRecord) -> str:
+    """The Ray dashboard's Name column (the Ray job's `job_name` metadata): project/job."""
+    return f"{record.project}/{record.job_name or record.job_id}"
+
+
+def ray_job_metadata(record: JobRecord, root: StorageRoot) -> dict[str, str]:
+    """What the controller's Ray job carries: the dashboard's Name column and filter
+    (`job_name`), and ours, which the cluster's reaper and `cluster stop` read."""
+    return {
+        "job_name": dashboard_name(record),
+        "orchestrator_project": record.project,
+        "orchestrator_job_name": record.job_name or "",
+        "orchestrator_team": record.team or "",
+        "orchestrator_storage_root": root.url,
+        "base_image": record.spec.job.image.base_image,
+    }
 
 
 def check_storage_reachable(connection: Connection, root: StorageRoot) -> None:
@@ -194,19 +235,16 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
     """Put a stored job in the cluster's queue: it is queued from the moment this returns, with
     no process of its own; the queue service starts its controller (a Ray job, submission id =
     job id) once it is admitted. Where no service watches the root yet (the cluster's first
-    push to it), or the job mirrors weights while it waits, its controller is submitted now,
-    and starts the service. A refusal is recorded as DEPLOY_FAILED, then raised."""
+    push to it), the first such push submits its controller now, which starts the service, and
+    the pushes after it wait for that service; a job that mirrors weights while it waits is
+    submitted now too. A refusal is recorded as DEPLOY_FAILED, then raised."""
     job_id = record.job_id
     launch = Launch(
-        entrypoint=controller_entrypoint(job_id, root, connection),
-        metadata={
-            "orchestrator_project": record.project,
-            "orchestrator_job_name": record.job_name or "",
-            "orchestrator_storage_root": root.url,
-            "base_image": record.spec.job.image.base_image,
-        },
+        entrypoint=controller_entrypoint(job_id, root, connection, runs_comment(record)),
+        metadata=ray_job_metadata(record, root),
     )
     queue = QueueStore(root)
+    starter = ""  # the cluster session whose queue service this push starts here, if it does
     try:
         session = cluster_session(connection)
         start_now = bool(record.spec.job.weights)
@@ -215,10 +253,12 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
             launched_at=time.time() if start_now else None,
         )  # fmt: skip
         queue.put_incoming(entry)  # queued from here on; a service takes it
-        if not start_now and queue.watched_by(session):
-            return
-        if not start_now:  # nobody may take it: it is ours to start (the service's, if it does)
+        if not start_now:
+            if queue.watched_by(session) or _service_starting(queue, session):
+                return
+            # Nobody takes it: it is ours to start, and its controller starts the service.
             queue.put_incoming(entry.model_copy(update={"launched_at": time.time()}))
+            starter = session
         submit_ray_job(
             connection.client, connection.address, job_id, exists_is_ours=True,
             entrypoint=launch.entrypoint, metadata=launch.metadata, entrypoint_num_cpus=0,
@@ -226,11 +266,31 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
     except Exception as e:
         # Never retried: inside this handler a storage error would read as the Ray error's.
         root.discard(f"{INCOMING}/{job_id}.json")
+        if starter:
+            root.discard(f"{STARTING}/{starter}.json")
         store = JobStore(root)
         failure = Failure(cause=str(e))
         status = store.status(job_id).moved_to(JobState.DEPLOY_FAILED, failure.cause)
         store.put_status(status.model_copy(update={"failure": failure}))
         raise
+
+
+def _service_starting(queue: QueueStore, session: str) -> bool:
+    """Whether another push is starting this root's queue service (its controller starts it):
+    then ours waits for that service to watch the root and take the job, rather than starting a
+    controller (a Ray job, RUNNING in the dashboard) only to wait in the queue. False if this
+    push is to start it, or that service did not come in time."""
+    claimed_at = queue.claim_service_start(session)
+    if claimed_at is None:
+        return False
+    while time.time() - claimed_at < SERVICE_START_S:
+        if queue.watched_by(session):
+            return True
+        time.sleep(_SERVICE_POLL_S)
+    return queue.watched_by(session)
+
+
+_SERVICE_POLL_S = 0.25
 
 
 def cluster_session(connection: Connection) -> str:

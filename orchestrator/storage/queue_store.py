@@ -9,6 +9,8 @@ queue/requests/<job_id>.json  PriorityRequest from `update --priority`, taken by
 queue/stops/<job_id>.json     StopRequest from `stop` of a job that has no controller yet
 queue/services/<session>.json ServiceBeat: a queue service of that Ray cluster session watches
                               this root (rewritten every few seconds)
+queue/starting/<session>.json ServiceBeat: the push that found no service of that session here
+                              and started one (through its own controller), and when
 queue/view.json               QueueView: the service's last decision (positions, reasons) and
                               the cluster's nodes, for `queue` and `capacity view`
 
@@ -34,11 +36,15 @@ INCOMING = "queue/incoming"
 REQUESTS = "queue/requests"
 STOPS = "queue/stops"
 SERVICES = "queue/services"
+STARTING = "queue/starting"
 VIEW = "queue/view.json"
 
 Quotas = dict[str, dict[str, float]]
 BEAT_S = 2.0  # a watching service rewrites its beat this often
 BEAT_STALE_S = 10.0  # a beat older than this: no service of that session watches the root
+# How long pushes wait for the queue service another push is starting, before they start their
+# own controllers: a Ray job's start plus the service actor's, on a busy head.
+SERVICE_START_S = 60.0
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -248,6 +254,24 @@ class QueueStore:
         except FileNotFoundError:
             return False
         return time.time() - beat.at < BEAT_STALE_S
+
+    def claim_service_start(self, session: str) -> float | None:
+        """None if this push is the one to start the cluster session's queue service here (by
+        submitting its controller at once): the first to find no service watching. Else when
+        the push that is starting it claimed so; a claim older than SERVICE_START_S whose
+        service never beat is taken over."""
+        rel = f"{STARTING}/{session}.json"
+        claim = ServiceBeat(session=session, at=time.time()).model_dump_json().encode()
+        if self.root.create_bytes(rel, claim):
+            return None
+        try:
+            at = ServiceBeat.model_validate_json(self.root.read_bytes(rel)).at
+        except FileNotFoundError:  # given up meanwhile
+            at = 0.0
+        if time.time() - at < SERVICE_START_S:
+            return at
+        self.root.write_bytes(rel, claim)
+        return None
 
     def write_view(self, view: QueueView) -> None:
         self.root.write_bytes(VIEW, view.model_dump_json().encode())
