@@ -45,6 +45,7 @@ TREE: tuple[tuple[str, str], ...] = (
     ("queue/requests/<job_id>.json", "PriorityRequest from `update --priority`"),
     ("queue/stops/<job_id>.json", "StopRequest: `stop` of a job that has no controller yet"),
     ("queue/services/<session>.json", "ServiceBeat: a queue service watches this root"),
+    ("queue/starting/<session>.json", "ServiceBeat: the push that started its queue service"),
     ("queue/view.json", "QueueView: the queue service's last decision"),
     (
         "serving/<model>/adapters/<adapter>/<path>",
