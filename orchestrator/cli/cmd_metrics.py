@@ -92,7 +92,12 @@ def _view(m: JobMetrics) -> RenderableType:
     if why := no_samples(m):
         return Group(job, Text(why))
     ranks = [
-        Panel(_table(rank_lines(r, m.read_at)), title=rank_title(r), expand=False) for r in m.ranks
+        Panel(
+            _table(rank_lines(r, m.read_at, m.rank_uploads.get(r.rank))),
+            title=rank_title(r),
+            expand=False,
+        )
+        for r in m.ranks
     ]
     return Group(job, Columns(ranks))
 

@@ -105,6 +105,8 @@ class JobMetrics:
     time_in_state: dict[str, float] = field(default_factory=dict)  # state -> seconds, in order
     weights: list[WeightDelivery] = field(default_factory=list)
     uploads: UploadTotals | None = None
+    # Once the job has ended: each rank's uploads as the store holds them (see `after_end`).
+    rank_uploads: dict[int, UploadTotals] = field(default_factory=dict)
 
     @classmethod
     def read(
@@ -115,9 +117,15 @@ class JobMetrics:
         uploads = UploadTotals.of(
             [r.samples[-1].uploads for r in ranks if r.samples and r.samples[-1].uploads]
         )
+        rank_uploads: dict[int, UploadTotals] = {}
         if status.state.is_terminal:
             stored = CheckpointStore(root).list(record.project_key, record.job_id)
             uploads = UploadTotals.after_end(uploads, stored)
+            for r in ranks:
+                last = r.samples[-1].uploads if r.samples else None
+                mine = [m for m in stored if m.node_rank == r.rank]
+                if ended := UploadTotals.after_end(UploadTotals.of([last] if last else []), mine):
+                    rank_uploads[r.rank] = ended
         return cls(
             job_id=record.job_id,
             project=record.project,
@@ -133,6 +141,7 @@ class JobMetrics:
                 for n in w.nodes
             ],
             uploads=uploads,
+            rank_uploads=rank_uploads,
         )
 
     @property

@@ -41,8 +41,9 @@ def job_lines(metrics: JobMetrics) -> Lines:
     return lines
 
 
-def rank_lines(rank: RankMetrics, now: float) -> Lines:
-    """One rank's latest sample, measured against what the job asked for."""
+def rank_lines(rank: RankMetrics, now: float, ended: UploadTotals | None = None) -> Lines:
+    """One rank's latest sample, measured against what the job asked for; `ended`: its
+    uploads as the store holds them once the job has ended (its last sample may be older)."""
     if not rank.samples:
         return [("samples", "none yet")]
     s = rank.samples[-1]
@@ -69,7 +70,7 @@ def rank_lines(rank: RankMetrics, now: float) -> Lines:
     lines.append(("disk", _disk(s.disk_bytes, s.disk_free_bytes, s.disk_total_bytes)))
     lines.append(("network", f"sent {human_bytes(s.net_sent_bytes_per_s)}/s, "
                              f"received {human_bytes(s.net_recv_bytes_per_s)}/s"))  # fmt: skip
-    if totals := UploadTotals.of([s.uploads] if s.uploads else []):
+    if totals := ended or UploadTotals.of([s.uploads] if s.uploads else []):
         lines.append(("checkpoint uploads", _uploads(totals)))
     lines.append(("latest sample", _ago(now - s.at)))
     return lines
