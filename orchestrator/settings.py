@@ -96,6 +96,14 @@ def within_team(raw: str) -> str:
     return value
 
 
+def job_runtime(raw: str) -> str:
+    """host or container (node/podman.py)."""
+    value = raw.strip().lower()
+    if value not in ("host", "container"):
+        raise ValueError("must be host or container")
+    return value
+
+
 _ALL: dict[str, Setting] = {}
 
 
@@ -153,6 +161,9 @@ METRICS_INTERVAL_S = _setting("METRICS_INTERVAL_S", 5.0, seconds, CLIENT)
 
 # --- the head node ------------------------------------------------------------------------------
 USE_IMAGE_URI = _setting("USE_IMAGE_URI", False, flag, HEAD)
+# Where a job's commands run: in the node's own environment (host), or in a container of the
+# job's base_image, with podman on each node (container; node/podman.py).
+JOB_RUNTIME = _setting("JOB_RUNTIME", "host", job_runtime, HEAD)
 SECRETS_DIR = _setting("SECRETS_DIR", None, text, HEAD)  # default: $HOME/secrets
 # Nodes join on demand: a job larger than today's cluster waits (up to the scheduling timeout)
 # instead of failing at once.
@@ -170,6 +181,8 @@ WARM_CONTROLLERS = _setting("WARM_CONTROLLERS", False, flag, HEAD)
 
 # --- every node ---------------------------------------------------------------------------------
 NODE_ROOT = _setting("NODE_ROOT", None, text, NODE)  # default: <tmp>/orchestrator
+# podman's global options for job containers; default: runc and cgroupfs on a cgroup v1 node.
+PODMAN_ARGS = _setting("PODMAN_ARGS", None, text, NODE)
 NODE_CACHE_DIR = _setting("NODE_CACHE_DIR", None, text, NODE)
 NODE_CACHE_GIB = _setting("NODE_CACHE_GIB", None, positive_float, NODE)
 CLUSTER_CACHE_DIR = _setting("CLUSTER_CACHE_DIR", None, text, NODE)

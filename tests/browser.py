@@ -1,5 +1,5 @@
 """Headless Chromium for the tests that look at pages as a person does (the HTML metrics report,
-the Ray dashboard). Needs /usr/bin/chromium (tests/install-browser.sh installs it);
+the Ray dashboard). Needs /usr/bin/chromium (tests/install-system.sh installs it);
 ORCHESTRATOR_SKIP_BROWSER_TESTS=1 skips those tests instead."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def chromium() -> Iterator[Browser]:
         pytest.skip("ORCHESTRATOR_SKIP_BROWSER_TESTS=1: pages are not checked in a browser")
     if not CHROMIUM.exists():
         pytest.fail(
-            f"{CHROMIUM} is missing: run tests/install-browser.sh (or set "
+            f"{CHROMIUM} is missing: run tests/install-system.sh (or set "
             "ORCHESTRATOR_SKIP_BROWSER_TESTS=1 to skip the browser tests)"
         )
     with sync_playwright() as p:

@@ -1,7 +1,7 @@
 """The HTML metrics report as a person sees it: opened from a file in a real headless Chromium
 with every network request refused, so it must carry everything it needs (plotly.js included).
 
-Needs /usr/bin/chromium (tests/install-browser.sh installs it); ORCHESTRATOR_SKIP_BROWSER_TESTS=1
+Needs /usr/bin/chromium (tests/install-system.sh installs it); ORCHESTRATOR_SKIP_BROWSER_TESTS=1
 skips these tests instead.
 """
 

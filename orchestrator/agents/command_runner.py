@@ -1,15 +1,16 @@
-"""Runs a rank's start commands, one after another, and stops them: the part of a node agent a
-container runner would replace.
+"""Runs a rank's start commands, one after another, and stops them.
 
 Each command runs through `/bin/sh -c` as the leader of its own process group, under a guard
-that kills the group if the agent dies without stopping it. Output is read as it comes (not
-line by line), split into lines and progress updates, masked, and yielded in items small
-enough to stay out of Ray's object store.
+that kills the group if the agent dies without stopping it; or, in a container of the job's
+image, as `podman run` of that shell (node/podman.py), the container removed when it is stopped
+or its agent dies. Output is read as it comes (not line by line), split into lines and progress
+updates, masked, and yielded in items small enough to stay out of Ray's object store.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import signal
@@ -18,19 +19,25 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
 
 from orchestrator.agents.messages import CommandsEnded, OutputLines
+from orchestrator.node import podman
 from orchestrator.node.output_splitter import OutputSplitter
+from orchestrator.node.podman import Container
 from orchestrator.node.secrets import SecretMasker
 
 # Runs each command as the leader of its process group. If the agent dies without stopping it
 # (a killed worker, a lost node), the guard notices its parent is gone and kills the group, so
 # no training process is orphaned. It ignores SIGTERM itself, so a stop reaches the command and
 # the guard reports the command's own exit code.
+# A container lives outside the group (podman's conmon holds it): the guard removes it first,
+# with the command given in $ORCHESTRATOR_GUARD_CLEANUP.
 _GUARD = """
-import os, signal, subprocess, sys
+import json, os, signal, subprocess, sys
 agent = int(sys.argv[1])
+cleanup = json.loads(os.environ.pop("ORCHESTRATOR_GUARD_CLEANUP", "null"))
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 restore = lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)  # noqa: E731
 child = subprocess.Popen(sys.argv[2:], preexec_fn=restore)
@@ -40,6 +47,8 @@ while True:
         break
     except subprocess.TimeoutExpired:
         if os.getppid() != agent:
+            if cleanup:
+                subprocess.run(cleanup, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.killpg(0, signal.SIGKILL)
 sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
 """
@@ -58,63 +67,116 @@ class CommandRunner:
     def __init__(self, tag: Callable[[str, bool], str]) -> None:
         self._tag = tag  # a line as the job's log shows it (rank, time)
         self._process: subprocess.Popen[bytes] | None = None
+        self._container: Container | None = None
+        self._container_pid: int | None = None
         self.stopping = threading.Event()
 
     def pid(self) -> int | None:
-        """The running command's process (group) id, None between commands."""
+        """The process whose descendants are the running commands (what the rank's metrics
+        count): the command's own (its group's leader), or the init of their container; None
+        between commands."""
         proc = self._process
-        return proc.pid if proc is not None and proc.poll() is None else None
+        if proc is None or proc.poll() is not None:
+            return None
+        if self._container is None:
+            return proc.pid
+        if self._container_pid is None:  # asked once it runs
+            self._container_pid = podman.container_pid(self._container.name)
+        return self._container_pid or proc.pid
 
     def run(
         self, commands: tuple[str, ...], env: dict[str, str], cwd: str, mask: SecretMasker,
-        before_end: Callable[[], None] = lambda: None,
+        before_end: Callable[[], None] = lambda: None, container: Container | None = None,
     ) -> Iterator[OutputLines | CommandsEnded]:  # fmt: skip
         """OutputLines as output arrives, then one CommandsEnded; `before_end` runs just before
-        it (what the ending must not race, such as the rank's last resource sample)."""
+        it (what the ending must not race, such as the rank's last resource sample). With
+        `container`, the commands run in one container of it, one after another as here (what
+        one installs, the next sees), with `env` alone (none of the node's)."""
         last_lines: deque[str] = deque(maxlen=LAST_LINES)
+        self._container = container
+        if container is not None:
+            failed = yield from self._run_in_container(commands, env, cwd, container, mask,
+                                                       last_lines)  # fmt: skip
+        else:
+            failed = yield from self._run_here(commands, env, cwd, mask, last_lines)
+        before_end()
+        code, command = failed or (0, None)
+        yield CommandsEnded(
+            exit_code=code, command=command, last_lines=list(last_lines),
+            stopped=self.stopping.is_set(), ended_at=time.time(),
+        )  # fmt: skip
+
+    def _run_here(
+        self, commands: tuple[str, ...], env: dict[str, str], cwd: str, mask: SecretMasker,
+        last_lines: deque[str],
+    ) -> Generator[OutputLines, None, tuple[int, str] | None]:  # fmt: skip
+        """Each command through the node's shell; the first failure's code and command."""
         for command in commands:
             if self.stopping.is_set():
                 break
-            # Bounded: a command that writes faster than its output is forwarded waits on its
-            # pipe, as it would on a slow terminal, instead of growing this process.
-            chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=READ_QUEUE_CHUNKS)
             self._process = subprocess.Popen(
-                [*_guarded(), "/bin/sh", "-c", command],
-                cwd=cwd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
+                [*_guarded(), "/bin/sh", "-c", command], cwd=cwd, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, so stop reaches every child
-            )
-            reader = threading.Thread(target=_pump, args=(self._process, chunks), daemon=True)
-            reader.start()
-            output = OutputSplitter(mask)
-            done = False
-            while not done:
-                batch = _drain(chunks)
-                if batch and batch[-1] is None:
-                    done = True
-                    batch.pop()
-                now = time.monotonic()
-                pieces = [p for data in batch for p in output.feed(data, now)] or output.tick(now)
-                if done:
-                    pieces += output.close()
-                last_lines.extend(p.text for p in pieces)
-                yield from _items([self._tag(p.text, p.progress) for p in pieces])
-            code = self._process.wait()
-            if code != 0:
-                before_end()
-                yield CommandsEnded(
-                    exit_code=code, command=command, last_lines=list(last_lines),
-                    stopped=self.stopping.is_set(), ended_at=time.time(),
-                )  # fmt: skip
-                return
-        before_end()
-        yield CommandsEnded(
-            exit_code=0, last_lines=list(last_lines), stopped=self.stopping.is_set(),
-            ended_at=time.time(),
+            )  # fmt: skip
+            if code := (yield from self._stream(self._process, mask, last_lines)):
+                return code, command
+        return None
+
+    def _run_in_container(
+        self, commands: tuple[str, ...], env: dict[str, str], cwd: str, container: Container,
+        mask: SecretMasker, last_lines: deque[str],
+    ) -> Generator[OutputLines, None, tuple[int, str] | None]:  # fmt: skip
+        """The commands in one container; the first failure's code and command (which one,
+        the container's shell writes to `container.status_file`, inside a bind)."""
+        if self.stopping.is_set() or not commands:
+            return None
+        # Under the rank's name: what an earlier attempt's agent left goes first.
+        subprocess.run(podman.remove_argv(container.name), capture_output=True)
+        self._container_pid = None
+        yield from _items([self._tag(f"the commands run in a container of {container.image} "
+                                     f"({podman.image_id(container.image)})", False)])  # fmt: skip
+        Path(container.status_file).unlink(missing_ok=True)
+        cleanup = json.dumps(podman.remove_argv(container.name))
+        self._process = subprocess.Popen(
+            [*_guarded(), *podman.run_argv(container, cwd, commands)],
+            env={**os.environ, "ORCHESTRATOR_GUARD_CLEANUP": cleanup},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+            start_new_session=True,
         )  # fmt: skip
+        assert self._process.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # it failed at once: its output says why
+            self._process.stdin.write(podman.environment_script(env))
+        self._process.stdin.close()
+        code = yield from self._stream(self._process, mask, last_lines)
+        if code == 0:
+            return None
+        index = podman.failed_command(container.status_file)
+        return code, commands[index] if index is not None else f"podman run {container.image}"
+
+    def _stream(
+        self, process: subprocess.Popen[bytes], mask: SecretMasker, last_lines: deque[str]
+    ) -> Generator[OutputLines, None, int]:
+        """The process's output as it comes, until it ends; its exit code."""
+        # Bounded: a command that writes faster than its output is forwarded waits on its
+        # pipe, as it would on a slow terminal, instead of growing this process.
+        chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=READ_QUEUE_CHUNKS)
+        reader = threading.Thread(target=_pump, args=(process, chunks), daemon=True)
+        reader.start()
+        output = OutputSplitter(mask)
+        done = False
+        while not done:
+            batch = _drain(chunks)
+            if batch and batch[-1] is None:
+                done = True
+                batch.pop()
+            now = time.monotonic()
+            pieces = [p for data in batch for p in output.feed(data, now)] or output.tick(now)
+            if done:
+                pieces += output.close()
+            last_lines.extend(p.text for p in pieces)
+            yield from _items([self._tag(p.text, p.progress) for p in pieces])
+        return process.wait()
 
     def stop(self, grace_s: float = 10.0) -> bool:
         """SIGTERM the running command's process group, SIGKILL what is left after `grace_s`.
@@ -126,11 +188,16 @@ class CommandRunner:
         proc = self._process
         if proc is None or proc.poll() is not None:
             return False
-        _signal_group(proc.pid, signal.SIGTERM)
+        if (container := self._container) is not None:  # every process in it but its init
+            subprocess.run(podman.signal_all_argv(container.name), capture_output=True)
+        else:
+            _signal_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
             time.sleep(0.05)
         _signal_group(proc.pid, signal.SIGKILL)
+        if (container := self._container) is not None:  # podman's client gone: the container
+            subprocess.run(podman.remove_argv(container.name), capture_output=True)
         proc.wait()
         return True
 

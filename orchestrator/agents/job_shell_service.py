@@ -13,6 +13,7 @@ import signal
 import subprocess
 
 from orchestrator.agents.messages import ShellResult
+from orchestrator.node import podman
 from orchestrator.node.secrets import SecretMasker
 from orchestrator.node.terminal import Terminals
 
@@ -24,11 +25,16 @@ class JobShellService:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._job: tuple[dict[str, str], str, SecretMasker] | None = None
+        self._container: str | None = None
         self.terminals = Terminals()
 
-    def commands_started(self, env: dict[str, str], cwd: str, mask: SecretMasker) -> None:
-        """What the job's commands run with, from now on what every shell runs with."""
+    def commands_started(
+        self, env: dict[str, str], cwd: str, mask: SecretMasker, container: str | None = None
+    ) -> None:
+        """What the job's commands run with, from now on what every shell runs with; in the
+        named container where they run in one."""
         self._job = (env, cwd, mask)
+        self._container = container
 
     def _started(self) -> tuple[dict[str, str], str, SecretMasker]:
         if self._job is None:
@@ -39,12 +45,20 @@ class JobShellService:
         """Run one shell command; its exit code (124 when it ran past `timeout_s`) and output,
         secrets masked."""
         env, cwd, mask = self._started()
-        process = subprocess.Popen(
-            ["/bin/sh", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        script: bytes | None = None  # in the rank's container: its environment on stdin
+        if self._container is not None:
+            script = podman.environment_script(env)
+            process = subprocess.Popen(
+                podman.exec_argv(self._container, cwd, command), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True,
+            )  # fmt: skip
+        else:
+            process = subprocess.Popen(
+                ["/bin/sh", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
         try:
-            out, _ = process.communicate(timeout=timeout_s)
+            out, _ = process.communicate(input=script, timeout=timeout_s)
             code = process.returncode
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
@@ -57,6 +71,11 @@ class JobShellService:
     def open_terminal(self, rows: int, cols: int, term: str, lost_after_s: float) -> str:
         """Start a shell on a PTY; its terminal id."""
         env, cwd, mask = self._started()
+        if self._container is not None:
+            raise RuntimeError(
+                "a terminal in a job whose commands run in a container is not supported yet: "
+                "run one command with `orchestrator shell --job-id ID -- CMD`"
+            )
         return self.terminals.open(
             env=env, cwd=cwd, masker=mask, rows=rows, cols=cols, term=term,
             lost_after_s=lost_after_s,

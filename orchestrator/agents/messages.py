@@ -137,6 +137,16 @@ class MetricsRequest:
 
 
 @dataclass(frozen=True)
+class ContainerRequest:
+    """Run the rank's commands in a container of `image` (node/podman.py), with the compute
+    request's memory and CPUs as its limits."""
+
+    image: str
+    memory_bytes: int | None = None
+    cpus: float | None = None
+
+
+@dataclass(frozen=True)
 class StartRequest:
     """One rank's commands and what they run with."""
 
@@ -147,6 +157,7 @@ class StartRequest:
     gpus_per_node: int
     rendezvous: Any = None  # the job's Rendezvous actor; None for a group of one
     metrics: MetricsRequest | None = None
+    container: ContainerRequest | None = None  # None: on the host, in the node's environment
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from orchestrator.agents.command_runner import CommandRunner
 from orchestrator.agents.job_shell_service import JobShellService
 from orchestrator.agents.messages import (
     CommandsEnded,
+    ContainerRequest,
     Group,
     MetricsRequest,
     OutputLines,
@@ -39,6 +40,7 @@ from orchestrator.agents.node_preparer import NodePreparer
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.node.node_root import RankDirs
+from orchestrator.node.podman import Container
 from orchestrator.node.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
 from orchestrator.storage.logs import rank_line
 from orchestrator.storage.records import NodeInfo
@@ -117,10 +119,16 @@ class NodeAgent:
         node_env = {k: v for k, v in os.environ.items() if not k.startswith(SECRET_ENV_PREFIX)}
         mounts = self.preparer.cache_mounts
         cache_env = mounts.env if mounts else {}
-        full_env = {**node_env, **cache_env, **request.env, **group_env, **values}
-        # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.
-        full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
-        self.shell.commands_started(full_env, request.cwd, mask)
+        job_env = {**cache_env, **request.env, **group_env, **values}
+        container = self._container(request.container)
+        if container is not None:  # the image's own environment, and the job's: none of ours
+            full_env = job_env
+        else:
+            full_env = {**node_env, **job_env}
+            # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.
+            path = full_env.get("PATH", "")
+            full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{path}"
+        self.shell.commands_started(full_env, request.cwd, mask, container and container.name)
         if request.metrics is not None:
             try:
                 self._start_sampling(request.metrics)
@@ -128,10 +136,22 @@ class NodeAgent:
                 yield OutputLines([self._tag(f"resource sampling did not start: {e!r}")])
         try:
             yield from self.runner.run(
-                request.commands, full_env, request.cwd, mask, before_end=self._end_sampling
-            )
+                request.commands, full_env, request.cwd, mask, before_end=self._end_sampling,
+                container=container,
+            )  # fmt: skip
         finally:
             self._end_sampling()  # a closed stream (otherwise it ended before the ending was said)
+
+    def _container(self, request: ContainerRequest | None) -> Container | None:
+        """The rank's container of the job's image, seeing what the job was given here."""
+        if request is None:
+            return None
+        binds, read_only = self.preparer.binds()
+        return Container(
+            name=self.actor_name, image=request.image, status_file=str(self.dirs.base / "failed"),
+            binds=tuple(binds),
+            read_only=tuple(read_only), memory_bytes=request.memory_bytes, cpus=request.cpus,
+        )  # fmt: skip
 
     def _start_sampling(self, request: MetricsRequest) -> None:
         """Sample this rank's resources until its commands end (node/node_metrics.py)."""

@@ -49,6 +49,7 @@ class NodePreparer:
         self.cache_mounts: TrainingCacheMounts | None = None
         self._mounts: list[tuple[Path, str]] = []  # weight mounts: link -> the cache's directory
         self._holds_weights = False  # asked this node's cache for a set: release it at the end
+        self._download_folder: Path | None = None  # where checkpoints to load were put
 
     def prepare(self, request: PrepareRequest) -> tuple[CacheSeeded | None, tuple[Delivery, ...]]:
         """Check secrets, fetch the code, create the job's directories, fetch checkpoints to load,
@@ -97,6 +98,7 @@ class NodePreparer:
             if download_folder == DEFAULT_DOWNLOAD_FOLDER
             else Path(download_folder)
         )
+        self._download_folder = folder
         for manifest in load:
             dest = folder / f"rank-{manifest.node_rank}" / manifest.name
             if dest.exists():
@@ -146,6 +148,19 @@ class NodePreparer:
             evicted=delivered.evicted,
             over_budget=delivered.over_budget,
         )
+
+    def binds(self) -> tuple[list[tuple[str, str]], list[str]]:
+        """What a container of the job's image sees of this node, each at the path the job's
+        variables name: the rank's directories, a checkpoint_path or download_folder of its
+        own, and the targets of its cache and weights links (a link's target is not in the
+        container). Then the paths inside that are read-only: the weights."""
+        own = [p for p in (self.checkpoint_dir, self._download_folder) if p is not None]
+        binds = {str(self.dirs.base): str(self.dirs.base)}
+        binds.update({str(p): str(p) for p in own if not p.is_relative_to(self.dirs.base)})
+        cache_links = self.cache_mounts.links if self.cache_mounts else []
+        for link, target in [*cache_links, *self._mounts]:
+            binds[str(link)] = target
+        return [(host, inside) for inside, host in binds.items()], [str(m) for m, _ in self._mounts]
 
     def clear(self, keep_checkpoints: bool = True) -> None:
         """Remove the job's scratch, working copy, links and loaded checkpoints from this node;

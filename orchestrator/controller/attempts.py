@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from orchestrator import settings
-from orchestrator.agents.messages import MetricsRequest, StartRequest
+from orchestrator.agents.messages import ContainerRequest, MetricsRequest, StartRequest
 from orchestrator.controller.checkpointing import RestoreFailed, Uploaders
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.failure_policy import (
@@ -141,6 +141,12 @@ class Attempts:
             for var, ref in job.runtime.environment_variables.items()
             if isinstance(ref, SecretReference)
         }
+        container = None
+        if settings.JOB_RUNTIME.get() == "container":
+            container = ContainerRequest(
+                image=job.image.base_image, memory_bytes=job.compute.memory_bytes,
+                cpus=job.compute.cpu_count,
+            )  # fmt: skip
         return [
             StartRequest(
                 commands=tuple(job.runtime.start_commands),
@@ -155,6 +161,7 @@ class Attempts:
                     cpu_request=job.compute.cpu_count,
                     checkpointing=job.runtime.checkpointing_config.enabled,
                 ),
+                container=container,
             )
             for node in self.job.status.nodes
         ]

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from orchestrator import settings
 from orchestrator.agents.messages import PreparedNode
 from orchestrator.agents.secret_service import start_secret_service
 from orchestrator.agents.services import NAMESPACE
@@ -95,6 +96,8 @@ class JobController:
             return run.status.state
         run.say(self._image_notice())
         try:
+            if problem := self._runtime_problem():
+                raise DeployFailed(Failure(cause=problem))
             if self.record.spec.job.secret_references():
                 start_secret_service()  # on this node, the head: where `secrets set` writes
             self.deployment.mirror_weights()
@@ -130,12 +133,31 @@ class JobController:
 
     def _image_notice(self) -> str:
         image = self.record.spec.job.image.base_image
+        if settings.JOB_RUNTIME.get() == "container":
+            notice = f"image {image}: each rank's commands run in a container of it (podman)"
+            if self.record.spec.job.image.docker_auth is not None:
+                notice += ("; its docker_auth is not used yet: the image must be public or "
+                           "already on the nodes")  # fmt: skip
+            return notice
         if use_image_uri():
             return f"image {image}: each node runs the job in that container (Ray image_uri)"
         return (
             f"image {image} is recorded; this cluster runs jobs in each node's own environment "
             f"(set {IMAGE_URI_ENV}=1 on a cluster with a container runtime to use it)"
         )
+
+    def _runtime_problem(self) -> str | None:
+        """What the container runtime cannot do yet, said before anything is placed."""
+        if settings.JOB_RUNTIME.get() != "container":
+            return None
+        job = self.record.spec.job
+        if use_image_uri():
+            return (f"{settings.JOB_RUNTIME.name}=container and {IMAGE_URI_ENV}=1 are both set "
+                    "on this cluster: choose one")  # fmt: skip
+        if job.compute.gpus_per_node:
+            return ("GPUs in a job's container are not supported yet: run GPU jobs on a cluster "
+                    f"with {settings.JOB_RUNTIME.name}=host")  # fmt: skip
+        return None
 
     # --- the port its attempts drive (run_port.RunPort) --------------------------------------
 

@@ -1,0 +1,162 @@
+"""A rank's commands in a container of the job's image, with podman: the command line that runs
+one command, and the environment it is given.
+
+Only the job's commands run in the container; the node agent, the uploader, the metrics sampler
+and the shell stay on the host, so any image works, with or without Ray or Python inside it. The
+container shares the host's network (torch distributed rendezvous on BT_LEADER_ADDR), runs an
+init as PID 1 (SIGTERM reaches the trainer), has the compute request's memory and CPUs as
+limits, and sees no host path but its binds, each at the path the job's variables name.
+
+The environment never reaches a command line or the container's configuration (`podman
+inspect`, the OCI spec on disk): it is written to the container's stdin as shell assignments,
+which the container's shell sources before it runs the command, whose stdin is then at its end,
+as on the host.
+"""
+
+from __future__ import annotations
+
+import resource
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator import settings
+
+# The container's main process: reads the job's variables from stdin, then runs each command
+# ($2...) through its own shell, in order, stopping at the first that fails, whose index it
+# writes to the status file ($1). A stop signals every process in the container (its
+# `signal_all_argv`): this shell notes it and waits for the command, which saves and ends as
+# on the host; were it to die first, the container's init would end and take the command along.
+_ENTRY = """. /dev/stdin || exit 125
+trap 'stopping=1' TERM
+status=$1
+shift
+i=0
+for command in "$@"; do
+    [ -n "$stopping" ] && break
+    /bin/sh -c "$command" &
+    pid=$!
+    wait "$pid"
+    code=$?
+    while kill -0 "$pid" 2>/dev/null; do wait "$pid"; code=$?; done
+    if [ "$code" -ne 0 ]; then echo "$i" > "$status"; exit "$code"; fi
+    i=$((i + 1))
+done
+"""
+SHM_BYTES = 1 << 30  # /dev/shm: data loaders' workers pass batches through it (podman's is 64 MiB)
+
+
+@dataclass(frozen=True)
+class Container:
+    """One rank's container: its image, limits and binds (host path -> path inside)."""
+
+    name: str
+    image: str
+    status_file: str  # in a bind: the index of the command that failed
+    binds: tuple[tuple[str, str], ...] = ()
+    read_only: tuple[str, ...] = ()  # paths inside mounted read-only (weights)
+    memory_bytes: int | None = None
+    cpus: float | None = None
+
+
+def global_args() -> list[str]:
+    """podman's own options: $ORCHESTRATOR_PODMAN_ARGS, else what this node's cgroups need.
+    On cgroup v1 (or the v1/v2 hybrid), crun (podman's default runtime) fails; runc with
+    cgroupfs works."""
+    configured = settings.PODMAN_ARGS.get()
+    if configured is not None:
+        return shlex.split(configured)
+    if not Path("/sys/fs/cgroup/cgroup.controllers").exists():  # not the unified v2 hierarchy
+        return ["--runtime", "runc", "--cgroup-manager", "cgroupfs"]
+    return []
+
+
+def run_argv(container: Container, cwd: str, commands: tuple[str, ...]) -> list[str]:
+    """`podman run` of the rank's commands, attached (its output is theirs); stdin carries the
+    environment (`environment_script`)."""
+    argv = [
+        "podman", *global_args(), "run", "--rm", "-i", "--name", container.name,
+        "--network", "host", "--init", "--shm-size", str(SHM_BYTES), "--workdir", cwd,
+        *_ulimits(),
+    ]  # fmt: skip
+    if container.memory_bytes:
+        argv += ["--memory", str(container.memory_bytes)]
+    if container.cpus:
+        argv += ["--cpus", f"{container.cpus:g}"]
+    for host, inside in container.binds:
+        mode = "ro" if inside in container.read_only else "rw"
+        argv += ["--volume", f"{host}:{inside}:{mode}"]
+    entry = ["/bin/sh", "-c", _ENTRY, "orchestrator", container.status_file, *commands]
+    return [*argv, container.image, *entry]
+
+
+def exec_argv(name: str, cwd: str, command: str) -> list[str]:
+    """`podman exec` of one shell command in the rank's running container (`orchestrator shell
+    -- CMD`), its environment on stdin as for the commands."""
+    return [
+        "podman", *global_args(), "exec", "-i", "--workdir", cwd, name,
+        "/bin/sh", "-c", '. /dev/stdin && exec /bin/sh -c "$1" </dev/null', "orchestrator", command,
+    ]  # fmt: skip
+
+
+def signal_all_argv(name: str, signal: str = "TERM") -> list[str]:
+    """Signal every process in the container but its init (and this shell), as a stop on the
+    host signals the command's whole process group."""
+    return ["podman", *global_args(), "exec", name, "/bin/sh", "-c", f"kill -s {signal} -- -1"]
+
+
+def container_pid(name: str) -> int | None:
+    """The host pid of the container's init (its processes are its descendants); None until
+    it runs."""
+    found = subprocess.run(
+        ["podman", *global_args(), "inspect", "--format", "{{.State.Pid}}", name],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    pid = found.stdout.strip()
+    return int(pid) if found.returncode == 0 and pid.isdigit() and int(pid) > 0 else None
+
+
+def image_id(image: str) -> str:
+    """What the node has under that name (`sha256:<first 12>`), or that it is pulled first."""
+    found = subprocess.run(
+        ["podman", *global_args(), "image", "inspect", "--format", "{{.Id}}", image],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    ident = found.stdout.strip()
+    return f"sha256:{ident[:12]}" if found.returncode == 0 and ident else "not on this node yet"
+
+
+def failed_command(status_file: str) -> int | None:
+    """Which command failed, as the container's shell wrote it; None if it wrote nothing (the
+    container did not start, or was killed)."""
+    try:
+        return int(Path(status_file).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def remove_argv(name: str) -> list[str]:
+    """Remove the container whatever its state: what a stop leaves, or an agent that died."""
+    return ["podman", *global_args(), "rm", "--force", "--ignore", "--time", "0", name]
+
+
+def environment_script(env: dict[str, str]) -> bytes:
+    """The job's variables as the container's shell sources them (values quoted: any bytes)."""
+    lines = [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
+    return ("\n".join(lines) + "\n").encode()
+
+
+# Above this, runc could not set the limits on these machines (no CAP_SYS_RESOURCE).
+_MOST_ULIMIT = 32768
+
+
+def _ulimits() -> list[str]:
+    """The agent's own open-file and process limits, at most _MOST_ULIMIT: podman's defaults
+    (and a node's hard limits) are more than runc may set without CAP_SYS_RESOURCE."""
+    args = []
+    for flag, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
+        soft, _ = resource.getrlimit(which)
+        value = _MOST_ULIMIT if soft == resource.RLIM_INFINITY else min(soft, _MOST_ULIMIT)
+        args += ["--ulimit", f"{flag}={value}:{value}"]
+    return args

@@ -1,0 +1,55 @@
+"""The podman command lines and the environment a container's shell sources (node/podman.py),
+without podman: what reaches a command line, and what the shell makes of any value."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from orchestrator.node import podman
+
+UNTIDY = ["it's", 'say "hi"', "$HOME `id` $(id)", "two\nlines", "", "trailing\\", "ünï"]
+
+
+@pytest.mark.parametrize("value", UNTIDY)
+def test_a_value_reaches_the_command_exactly_and_nothing_in_it_runs(value, tmp_path):
+    script = podman.environment_script({"X": value, "BT_NODE_RANK": "0"})
+    shell = subprocess.run(
+        ["/bin/sh", "-c", '. /dev/stdin && exec /bin/sh -c "$1"', "orchestrator",
+         'printf %s "$X"'],
+        input=script, capture_output=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout.decode() == value
+
+
+def test_the_command_line_names_the_image_limits_and_binds_but_no_value(monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_PODMAN_ARGS", "--runtime runc")
+    container = podman.Container(
+        name="orchestrator-j1-rank-0", image="pytorch/pytorch:2.7.1", status_file="/n/j1/failed",
+        binds=(("/n/j1", "/n/j1"), ("/cache/set", "/models/base")), read_only=("/models/base",),
+        memory_bytes=2 << 30, cpus=4,
+    )  # fmt: skip
+    argv = podman.run_argv(container, "/n/j1/workspace", ("pip install x", "python train.py"))
+    assert argv[:4] == ["podman", "--runtime", "runc", "run"]
+    joined = " ".join(argv)
+    for part in ("--network host", "--init", "--memory 2147483648", "--cpus 4",
+                 "--volume /n/j1:/n/j1:rw", "--volume /cache/set:/models/base:ro",
+                 "--workdir /n/j1/workspace", "--name orchestrator-j1-rank-0"):  # fmt: skip
+        assert part in joined
+    assert argv[-2:] == ["pip install x", "python train.py"]
+    assert not any(a.startswith(("-e", "--env")) for a in argv)  # the environment goes by stdin
+
+
+def test_the_container_shell_runs_commands_in_order_and_names_the_one_that_failed(tmp_path):
+    entry = podman.run_argv(
+        podman.Container(name="n", image="i", status_file=str(tmp_path / "failed")), "/", ()
+    )[-5:-1]  # /bin/sh -c ENTRY orchestrator, without podman
+    status = str(tmp_path / "failed")
+    shell = subprocess.run(
+        [*entry, status, "echo one", "exit 7", "echo never"],
+        input=b"", capture_output=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert shell.returncode == 7 and shell.stdout == b"one\n"
+    assert podman.failed_command(status) == 1
