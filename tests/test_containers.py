@@ -189,3 +189,14 @@ def test_a_gpu_job_is_refused_in_a_container_saying_so(container_cluster, tmp_pa
                address=container_cluster, storage_root=str(tmp_path / "storage"))  # fmt: skip
     assert job.wait(timeout=120) == JobState.DEPLOY_FAILED
     assert "GPUs in a job's container are not supported yet" in job.details().failure.cause
+
+
+def test_a_command_killed_for_memory_says_so_with_the_limit(container_cluster, tmp_path):
+    """`sort` holds its whole input: 400 MB in a 256 MiB container."""
+    hog = "head -c 400000000 /dev/zero | tr '\\0' a | sort > /dev/null"
+    job = push(image_job(tmp_path / "job", ["echo before", hog, "echo never"]),
+               address=container_cluster, storage_root=str(tmp_path / "storage"))  # fmt: skip
+    assert job.wait(timeout=120) == JobState.FAILED
+    failure = job.details().failure
+    assert failure.exit_code == 137 and failure.command == hog
+    assert "command exited with code 137, out of memory: limit 256.0 MiB" in failure.cause

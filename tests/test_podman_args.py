@@ -52,4 +52,4 @@ def test_the_container_shell_runs_commands_in_order_and_names_the_one_that_faile
         input=b"", capture_output=True, cwd=tmp_path,
     )  # fmt: skip
     assert shell.returncode == 7 and shell.stdout == b"one\n"
-    assert podman.failed_command(status) == 1
+    assert podman.failed_command(status) == (1, 0)  # no memory kill (or no cgroup) here

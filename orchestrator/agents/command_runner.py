@@ -27,6 +27,7 @@ from orchestrator.node import podman
 from orchestrator.node.output_splitter import OutputSplitter
 from orchestrator.node.podman import Container
 from orchestrator.node.secrets import SecretMasker
+from orchestrator.sizes import human_bytes
 
 # Runs each command as the leader of its process group. If the agent dies without stopping it
 # (a killed worker, a lost node), the guard notices its parent is gone and kills the group, so
@@ -59,6 +60,10 @@ READ_QUEUE_CHUNKS = 64  # reads waiting to be forwarded (4 MiB), after which the
 # object store; the controller takes at most STREAM_BACKLOG items unread before the agent waits.
 BATCH_CHARS = 64 * 1024
 STREAM_BACKLOG = 16
+
+
+# How a rank's commands failed: the exit code, the command, and why where it is known.
+Failed = tuple[int, str, str | None]
 
 
 class CommandRunner:
@@ -100,16 +105,16 @@ class CommandRunner:
         else:
             failed = yield from self._run_here(commands, env, cwd, mask, last_lines)
         before_end()
-        code, command = failed or (0, None)
+        code, command, why = failed or (0, None, None)
         yield CommandsEnded(
             exit_code=code, command=command, last_lines=list(last_lines),
-            stopped=self.stopping.is_set(), ended_at=time.time(),
+            stopped=self.stopping.is_set(), ended_at=time.time(), why=why,
         )  # fmt: skip
 
     def _run_here(
         self, commands: tuple[str, ...], env: dict[str, str], cwd: str, mask: SecretMasker,
         last_lines: deque[str],
-    ) -> Generator[OutputLines, None, tuple[int, str] | None]:  # fmt: skip
+    ) -> Generator[OutputLines, None, Failed | None]:  # fmt: skip
         """Each command through the node's shell; the first failure's code and command."""
         for command in commands:
             if self.stopping.is_set():
@@ -120,15 +125,16 @@ class CommandRunner:
                 start_new_session=True,  # its own process group, so stop reaches every child
             )  # fmt: skip
             if code := (yield from self._stream(self._process, mask, last_lines)):
-                return code, command
+                return code, command, None
         return None
 
     def _run_in_container(
         self, commands: tuple[str, ...], env: dict[str, str], cwd: str, container: Container,
         mask: SecretMasker, last_lines: deque[str],
-    ) -> Generator[OutputLines, None, tuple[int, str] | None]:  # fmt: skip
-        """The commands in one container; the first failure's code and command (which one,
-        the container's shell writes to `container.status_file`, inside a bind)."""
+    ) -> Generator[OutputLines, None, Failed | None]:  # fmt: skip
+        """The commands in one container; the first failure's code, command (which one, the
+        container's shell writes to `container.status_file`, inside a bind), and that the
+        kernel killed a process for memory, if it did."""
         if self.stopping.is_set() or not commands:
             return None
         # Under the rank's name: what an earlier attempt's agent left goes first.
@@ -151,8 +157,14 @@ class CommandRunner:
         code = yield from self._stream(self._process, mask, last_lines)
         if code == 0:
             return None
-        index = podman.failed_command(container.status_file)
-        return code, commands[index] if index is not None else f"podman run {container.image}"
+        index, oom_kills = podman.failed_command(container.status_file)
+        command = commands[index] if index is not None else f"podman run {container.image}"
+        why = None
+        if oom_kills and container.memory_bytes:
+            why = f"out of memory: limit {human_bytes(container.memory_bytes)}"
+        elif oom_kills:
+            why = "out of memory"
+        return code, command, why
 
     def _stream(
         self, process: subprocess.Popen[bytes], mask: SecretMasker, last_lines: deque[str]

@@ -179,6 +179,7 @@ class CommandsEnded:
     last_lines: list[str] = field(default_factory=list)
     stopped: bool = False  # the rank was asked to stop
     ended_at: float | None = None
+    why: str | None = None  # what the exit code means, where it is known ("out of memory: ...")
 
 
 @dataclass(frozen=True)

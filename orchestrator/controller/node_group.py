@@ -73,8 +73,9 @@ class RankRun:
                            node_rank=self.rank)  # fmt: skip
         assert self.ended is not None
         code, command = self.ended.exit_code, self.ended.command
+        why = f", {self.ended.why}" if self.ended.why else ""
         return Failure(
-            cause=f"rank {self.rank}: command exited with code {code}: {command}",
+            cause=f"rank {self.rank}: command exited with code {code}{why}: {command}",
             exit_code=code,
             command=command,
             node_rank=self.rank,

@@ -24,14 +24,24 @@ from pathlib import Path
 from orchestrator import settings
 
 # The container's main process: reads the job's variables from stdin, then runs each command
-# ($2...) through its own shell, in order, stopping at the first that fails, whose index it
-# writes to the status file ($1). A stop signals every process in the container (its
-# `signal_all_argv`): this shell notes it and waits for the command, which saves and ends as
-# on the host; were it to die first, the container's init would end and take the command along.
+# ($2...) through its own shell, in order, stopping at the first that fails; it writes that
+# command's index and how many processes the kernel killed for memory in the container's cgroup
+# (v1 or v2, as the container sees it) to the status file ($1). A stop signals every process in
+# the container (`signal_all_argv`): this shell notes it and waits for the command, which saves
+# and ends as on the host; were it to die first, the container's init would end and take the
+# command along.
 _ENTRY = """. /dev/stdin || exit 125
 trap 'stopping=1' TERM
 status=$1
 shift
+oom_kills() {
+    for f in /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events; do
+        [ -r "$f" ] && while read -r key value; do
+            [ "$key" = oom_kill ] && echo "$value" && return
+        done < "$f"
+    done
+    echo 0
+}
 i=0
 for command in "$@"; do
     [ -n "$stopping" ] && break
@@ -40,7 +50,7 @@ for command in "$@"; do
     wait "$pid"
     code=$?
     while kill -0 "$pid" 2>/dev/null; do wait "$pid"; code=$?; done
-    if [ "$code" -ne 0 ]; then echo "$i" > "$status"; exit "$code"; fi
+    if [ "$code" -ne 0 ]; then echo "$i $(oom_kills)" > "$status"; exit "$code"; fi
     i=$((i + 1))
 done
 """
@@ -127,13 +137,15 @@ def image_id(image: str) -> str:
     return f"sha256:{ident[:12]}" if found.returncode == 0 and ident else "not on this node yet"
 
 
-def failed_command(status_file: str) -> int | None:
-    """Which command failed, as the container's shell wrote it; None if it wrote nothing (the
-    container did not start, or was killed)."""
+def failed_command(status_file: str) -> tuple[int | None, int]:
+    """Which command failed and how many processes the kernel had killed for memory, as the
+    container's shell wrote them; (None, 0) if it wrote nothing (the container did not start,
+    or was killed)."""
     try:
-        return int(Path(status_file).read_text().strip())
+        index, oom_kills = Path(status_file).read_text().split()
+        return int(index), int(oom_kills)
     except (OSError, ValueError):
-        return None
+        return None, 0
 
 
 def remove_argv(name: str) -> list[str]:
