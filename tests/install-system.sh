@@ -10,6 +10,8 @@ command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-liberation)
 command -v podman >/dev/null 2>&1 || missing+=(podman)
 command -v runc >/dev/null 2>&1 || missing+=(runc)
 [ -x /bin/busybox ] || missing+=(busybox-static)
+command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry)
+command -v htpasswd >/dev/null 2>&1 || missing+=(apache2-utils)
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi

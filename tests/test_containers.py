@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import tarfile
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import eventually, make_job, simulated_cluster
+from ray.util.state import list_actors
 
 from orchestrator import actor_names
 from orchestrator.client.api import push
@@ -50,18 +53,96 @@ def build_image(directory: Path) -> None:
     assert imported.returncode == 0, imported.stderr
 
 
-@pytest.fixture(scope="module")
-def container_cluster(orchestrator_home, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+class Registry:
+    """Debian's docker-registry on 127.0.0.1 with a password (htpasswd), holding the image."""
+
+    def __init__(self, directory: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.address = f"127.0.0.1:{s.getsockname()[1]}"
+        users = subprocess.run(["htpasswd", "-Bbn", REGISTRY_USER, REGISTRY_PASSWORD],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+        (directory / "htpasswd").write_text(users)
+        (directory / "config.yml").write_text(
+            f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {directory / 'data'}\n"
+            f"http:\n  addr: {self.address}\nauth:\n  htpasswd:\n    realm: tests\n"
+            f"    path: {directory / 'htpasswd'}\n"
+        )
+        # podman speaks plain HTTP to it: a registries.conf of the tests' own, for every node.
+        self.registries_conf = directory / "registries.conf"
+        self.registries_conf.write_text(
+            f'[[registry]]\nlocation = "{self.address}"\ninsecure = true\n'
+        )
+        self.log = open(directory / "registry.log", "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            ["docker-registry", "serve", str(directory / "config.yml")],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        eventually(self._answers, "the registry to answer", 30)
+
+    def _answers(self) -> bool:
+        host, port = self.address.split(":")
+        with socket.socket() as s:
+            return s.connect_ex((host, int(port))) == 0
+
+    def push(self, image: str, name: str) -> str:
+        """`image` pushed as `name` here, and its local copy under that name removed: a node
+        pulls it."""
+        target = f"{self.address}/{name}"
+        podman_cli = ["podman", *podman.global_args()]
+        subprocess.run([*podman_cli, "tag", image, target], check=True)
+        pushed = subprocess.run(
+            [*podman_cli, "push", "--tls-verify=false", "--creds",
+             f"{REGISTRY_USER}:{REGISTRY_PASSWORD}", target],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert pushed.returncode == 0, pushed.stderr
+        subprocess.run([*podman_cli, "rmi", target], check=True, capture_output=True)
+        return target
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+        self.log.close()
+
+
+REGISTRY_USER, REGISTRY_PASSWORD = "alice", "reg-pw-3c9e"
+
+
+def _need_tools() -> None:
     if os.environ.get("ORCHESTRATOR_SKIP_CONTAINER_TESTS") == "1":
         pytest.skip("ORCHESTRATOR_SKIP_CONTAINER_TESTS=1: jobs in containers are not tested")
-    missing = [t for t in ("podman", "runc") if shutil.which(t) is None]
+    tools = ("podman", "runc", "docker-registry", "htpasswd")
+    missing = [t for t in tools if shutil.which(t) is None]
     if missing or not Path("/bin/busybox").exists():
         pytest.fail(f"{missing or '/bin/busybox'} missing: run tests/install-system.sh (or set "
                     "ORCHESTRATOR_SKIP_CONTAINER_TESTS=1 to skip these tests)")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    _need_tools()
+    server = Registry(tmp_path_factory.mktemp("registry"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def container_cluster(
+    orchestrator_home, registry: Registry, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     build_image(tmp_path_factory.mktemp("image"))
-    saved = {k: os.environ.get(k) for k in ("ORCHESTRATOR_JOB_RUNTIME", _secret_env())}
-    os.environ["ORCHESTRATOR_JOB_RUNTIME"] = "container"
-    os.environ[_secret_env()] = SECRET_VALUE
+    node_env = {
+        "ORCHESTRATOR_JOB_RUNTIME": "container",
+        _secret_env(SECRET_NAME): SECRET_VALUE,
+        _secret_env("registry_login"): f"{REGISTRY_USER}:{REGISTRY_PASSWORD}",
+        _secret_env("registry_wrong"): f"{REGISTRY_USER}:not-the-password",
+        "CONTAINERS_REGISTRIES_CONF": str(registry.registries_conf),
+    }
+    saved = {k: os.environ.get(k) for k in node_env}
+    os.environ.update(node_env)
     cluster, address = simulated_cluster()
     try:
         cluster.add_node(num_cpus=2)
@@ -74,13 +155,14 @@ def container_cluster(orchestrator_home, tmp_path_factory: pytest.TempPathFactor
             os.environ.pop(key, None) if value is None else os.environ.update({key: value})
 
 
-def _secret_env() -> str:
-    return f"ORCHESTRATOR_SECRET_{SECRET_NAME.upper()}"
+def _secret_env(name: str) -> str:
+    return f"ORCHESTRATOR_SECRET_{name.upper()}"
 
 
 def image_job(
-    directory: Path, commands: list[str], checkpoints: bool = False, accelerator: str | None = None
-) -> Path:
+    directory: Path, commands: list[str], checkpoints: bool = False, accelerator: str | None = None,
+    image: str = IMAGE, auth: str = "None",
+) -> Path:  # fmt: skip
     return make_job(
         directory,
         f"""
@@ -88,7 +170,7 @@ def image_job(
         project = d.TrainingProject(
             name="in-a-container",
             job=d.TrainingJob(
-                image=d.Image(base_image={IMAGE!r}),
+                image=d.Image(base_image={image!r}, docker_auth={auth}),
                 compute=d.Compute(cpu_count=1, memory="256Mi", accelerator={accelerator!r}),
                 runtime=d.Runtime(
                     start_commands={commands!r},
@@ -173,15 +255,51 @@ def test_a_stop_reaches_the_command_in_its_container_which_saves_and_no_secret_s
     assert gone.returncode == 1  # removed with the job
 
 
-def test_an_image_the_node_cannot_get_fails_the_job_naming_it(container_cluster, tmp_path):
-    missing = "localhost:1/orchestrator-tests/no-such-image:1"
-    config = image_job(tmp_path / "job", ["echo never"])
-    config.write_text(config.read_text().replace(IMAGE, missing))
-    job = push(config, address=container_cluster, storage_root=str(tmp_path / "storage"))
-    assert job.wait(timeout=120) == JobState.FAILED
-    failure = job.details().failure
-    assert failure is not None and missing in failure.cause + " ".join(failure.last_lines)
-    assert not any(line.endswith("] never") for line in job.logs())
+def registry_auth(registry: Registry, secret: str, method: str = "REGISTRY_SECRET") -> str:
+    if method != "REGISTRY_SECRET":
+        return (
+            f"d.DockerAuth(auth_method={method!r}, registry={registry.address!r}, "
+            "aws_oidc_docker_auth=d.AWSOIDCDockerAuth(role_arn='arn:x', region='us-east-1'))"
+        )
+    return (f"d.DockerAuth(auth_method='REGISTRY_SECRET', registry={registry.address!r}, "
+            "registry_secret_docker_auth=d.RegistrySecretDockerAuth("
+            f"secret_ref=d.SecretReference(name={secret!r})))")  # fmt: skip
+
+
+def test_a_private_image_is_pulled_with_its_registry_secret_before_the_commands(
+    container_cluster, registry, tmp_path
+):
+    image = registry.push(IMAGE, "private/busybox:1")
+    root = str(tmp_path / "storage")
+
+    wrong = push(image_job(tmp_path / "wrong", ["echo never"], image=image,
+                           auth=registry_auth(registry, "registry_wrong")),
+                 address=container_cluster, storage_root=root)  # fmt: skip
+    assert wrong.wait(timeout=60) == JobState.DEPLOY_FAILED
+    cause = wrong.details().failure.cause
+    assert f"could not pull image {image} from {registry.address}" in cause, cause
+    assert "unauthorized" in cause and "not-the-password" not in cause
+
+    right = push(image_job(tmp_path / "right", ["echo pulled and ran"], image=image,
+                           auth=registry_auth(registry, "registry_login")),
+                 address=container_cluster, storage_root=root)  # fmt: skip
+    assert right.wait(timeout=120) == JobState.COMPLETED, right.logs()
+    assert any(line.endswith("] pulled and ran") for line in right.logs())
+
+    missing = f"{registry.address}/private/no-such-image:1"
+    nothing = push(image_job(tmp_path / "missing", ["echo never"], image=missing,
+                             auth=registry_auth(registry, "registry_login")),
+                   address=container_cluster, storage_root=root)  # fmt: skip
+    assert nothing.wait(timeout=60) == JobState.DEPLOY_FAILED
+    assert f"could not pull image {missing}" in nothing.details().failure.cause
+
+    cloud = push(image_job(tmp_path / "cloud", ["echo never"], image=image,
+                           auth=registry_auth(registry, "", method="AWS_OIDC")),
+                 address=container_cluster, storage_root=root)  # fmt: skip
+    assert cloud.wait(timeout=60) == JobState.DEPLOY_FAILED
+    assert "auth_method AWS_OIDC is not supported in containers yet: use REGISTRY_SECRET" in (
+        cloud.details().failure.cause
+    )
 
 
 def test_a_gpu_job_is_refused_in_a_container_saying_so(container_cluster, tmp_path):
@@ -200,3 +318,32 @@ def test_a_command_killed_for_memory_says_so_with_the_limit(container_cluster, t
     failure = job.details().failure
     assert failure.exit_code == 137 and failure.command == hog
     assert "command exited with code 137, out of memory: limit 256.0 MiB" in failure.cause
+
+
+UNTIL_RETRIED = (
+    'echo attempt $BT_RETRY_COUNT; [ "$BT_RETRY_COUNT" = 1 ] && exit 0; echo ready; '
+    "while :; do sleep 0.1; done"
+)
+
+
+def test_a_killed_agent_takes_its_container_along_and_the_retry_runs_in_a_new_one(
+    container_cluster, tmp_path
+):
+    job = push(image_job(tmp_path / "job", [UNTIL_RETRIED]), address=container_cluster,
+               storage_root=str(tmp_path / "storage"), retries=1)  # fmt: skip
+    eventually(lambda: any(line.endswith("] ready") for line in job.logs()), "ready", 120)
+    name = actor_names.node_agent(job.id, 0)
+    podman_cli = ["podman", *podman.global_args()]
+    first = subprocess.run([*podman_cli, "inspect", "--format", "{{.Id}}", name],
+                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    agent = next(
+        a for a in list_actors(address=container_cluster, filters=[("state", "=", "ALIVE")])
+        if a.name == name
+    )  # fmt: skip
+    os.kill(agent.pid, signal.SIGKILL)
+    # Gone before the retry (10 s later) could replace it: the guard removed it.
+    eventually(lambda: subprocess.run([*podman_cli, "container", "exists", first]).returncode == 1,
+               "the dead agent's container to be removed", 8)  # fmt: skip
+    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+    assert [a.cause for a in job.details().attempts][:1] == ["agent_lost"]
+    assert any(line.endswith("] attempt 1") for line in job.logs())

@@ -40,6 +40,16 @@ class CacheRequest:
 
 
 @dataclass(frozen=True)
+class ImageRequest:
+    """The job's image, pulled onto the node while it is prepared (container runtime);
+    `registry` and `secret_name`: docker_auth's REGISTRY_SECRET, resolved on the node."""
+
+    image: str
+    registry: str | None = None
+    secret_name: str | None = None
+
+
+@dataclass(frozen=True)
 class PrepareRequest:
     """Everything a node needs before the commands: code, directories, checkpoints, weights."""
 
@@ -51,6 +61,7 @@ class PrepareRequest:
     download_folder: str | None = None
     weights: tuple[WeightPlacement, ...] = ()
     cache: CacheRequest | None = None
+    image: ImageRequest | None = None  # None: the commands run on the host
 
 
 @dataclass(frozen=True)

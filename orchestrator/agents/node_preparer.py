@@ -25,6 +25,7 @@ from orchestrator.agents.messages import (
     WeightPlacement,
 )
 from orchestrator.agents.services import actor_alive
+from orchestrator.node import podman
 from orchestrator.node.node_root import RankDirs
 from orchestrator.node.secrets import resolve_secret
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
@@ -61,6 +62,11 @@ class NodePreparer:
         dirs = self.dirs
         for name in request.secret_names:
             resolve_secret(name, self.team)  # a missing secret fails the deploy, naming it
+        if (image := request.image) is not None:
+            credentials = None
+            if image.registry and image.secret_name:
+                credentials = (image.registry, resolve_secret(image.secret_name, self.team))
+            podman.pull(image.image, credentials)
         if dirs.workspace.exists():
             shutil.rmtree(dirs.workspace)
         dirs.workspace.mkdir(parents=True)

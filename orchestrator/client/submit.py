@@ -138,7 +138,7 @@ def controller_entrypoint(
     return f": {shlex.quote(runs)}; exec {command}" if runs else command
 
 
-# The dashboard shows the entrypoint in one line of a table: the comment is cut to this.
+# The dashboard shows the entrypoint on one line of a table: what the job runs is cut to this.
 _RUNS_MAX_CHARS = 300
 
 

@@ -134,11 +134,7 @@ class JobController:
     def _image_notice(self) -> str:
         image = self.record.spec.job.image.base_image
         if settings.JOB_RUNTIME.get() == "container":
-            notice = f"image {image}: each rank's commands run in a container of it (podman)"
-            if self.record.spec.job.image.docker_auth is not None:
-                notice += ("; its docker_auth is not used yet: the image must be public or "
-                           "already on the nodes")  # fmt: skip
-            return notice
+            return f"image {image}: each rank's commands run in a container of it (podman)"
         if use_image_uri():
             return f"image {image}: each node runs the job in that container (Ray image_uri)"
         return (
@@ -157,6 +153,13 @@ class JobController:
         if job.compute.gpus_per_node:
             return ("GPUs in a job's container are not supported yet: run GPU jobs on a cluster "
                     f"with {settings.JOB_RUNTIME.name}=host")  # fmt: skip
+        auth = job.image.docker_auth
+        if auth is not None and auth.registry_secret_docker_auth is None:
+            method = getattr(auth.auth_method, "value", auth.auth_method)
+            return (f"image.docker_auth with auth_method {method} is not "
+                    "supported in containers yet: use REGISTRY_SECRET (a secret holding "
+                    "username:password for the registry), or an image the nodes can pull "
+                    "without credentials")  # fmt: skip
         return None
 
     # --- the port its attempts drive (run_port.RunPort) --------------------------------------

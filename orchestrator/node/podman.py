@@ -15,9 +15,12 @@ as on the host.
 
 from __future__ import annotations
 
+import base64
+import json
 import resource
 import shlex
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +71,39 @@ class Container:
     read_only: tuple[str, ...] = ()  # paths inside mounted read-only (weights)
     memory_bytes: int | None = None
     cpus: float | None = None
+
+
+class ImagePullFailed(RuntimeError):
+    """The node could not get the job's image; the message names it, its registry and why."""
+
+
+def pull(image: str, credentials: tuple[str, str] | None = None, timeout_s: float = 1800) -> None:
+    """Get `image` onto this node unless it is here already: before the job's commands, so a
+    missing image or a refused password ends the deploy, naming them. `credentials`: the
+    registry and `username:password` (docker_auth's REGISTRY_SECRET), given to podman in an
+    auth file of this call's own, removed after (never on a command line)."""
+    base = ["podman", *global_args()]
+    if subprocess.run([*base, "image", "exists", image], capture_output=True).returncode == 0:
+        return
+    with tempfile.TemporaryDirectory(prefix="orchestrator-pull-") as private:  # mode 0700
+        argv = [*base, "pull", "--quiet"]
+        if credentials is not None:
+            registry, secret = credentials
+            auth = Path(private) / "auth.json"
+            auth.touch(mode=0o600)
+            token = base64.b64encode(secret.encode()).decode()
+            auth.write_text(json.dumps({"auths": {registry: {"auth": token}}}))
+            argv += ["--authfile", str(auth)]
+        try:
+            pulled = subprocess.run([*argv, image], capture_output=True, text=True,
+                                    timeout=timeout_s)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise ImagePullFailed(f"pulling image {image} took over {timeout_s:g} s") from None
+    if pulled.returncode != 0:
+        words = [line for line in pulled.stderr.splitlines() if line.strip()]
+        why = words[-1].removeprefix("Error: ") if words else f"podman exited {pulled.returncode}"
+        registry = credentials[0] if credentials else image.split("/")[0]
+        raise ImagePullFailed(f"could not pull image {image} from {registry}: {why}")
 
 
 def global_args() -> list[str]:
