@@ -241,7 +241,10 @@ def test_a_controller_started_through_the_queue_runs_forked_and_stops_as_a_cold_
     try:
         eventually(lambda: job.status() == JobState.RUNNING, "the second job to run", 60)
         info = JobSubmissionClient(address).get_job_info(job.id)
-        assert info.entrypoint.split()[1:3] == ["-m", "orchestrator.controller"]  # as before
+        # As cold: what the job runs, then the controller's command, exec'd by Ray's shell.
+        shown, command = info.entrypoint.split("; exec ")
+        assert shown.startswith(": 'warm/")
+        assert command.split()[1:3] == ["-m", "orchestrator.controller"]
         controller = psutil.Process(int(info.driver_info.pid))
         assert "orchestrator.scheduler.warm_host" in controller.parent().cmdline()
         assert job.stop(timeout=60) == JobState.STOPPED  # `ray job stop`: relayed, recorded
