@@ -228,6 +228,7 @@ def warm_cluster(orchestrator_home, monkeypatch):
         cluster.shutdown()
 
 
+@pytest.mark.cluster  # warm_cluster starts a Ray cluster of its own
 def test_a_controller_started_through_the_queue_runs_forked_and_stops_as_a_cold_one(
     warm_cluster, tmp_path
 ):

@@ -149,8 +149,8 @@ class NodeAgent:
         binds, read_only = self.preparer.binds()
         return Container(
             name=self.actor_name, image=request.image, status_file=str(self.dirs.base / "failed"),
-            binds=tuple(binds),
-            read_only=tuple(read_only), memory_bytes=request.memory_bytes, cpus=request.cpus,
+            binds=tuple(binds), read_only=tuple(read_only), memory_bytes=request.memory_bytes,
+            cpus=request.cpus,
         )  # fmt: skip
 
     def _start_sampling(self, request: MetricsRequest) -> None:

@@ -1,5 +1,6 @@
-"""A rank's commands in a container of the job's image, with podman: the command line that runs
-one command, and the environment it is given.
+"""A rank's commands in a container of the job's image, with podman: pulling the image, the
+command line that runs the rank's commands, the shell inside that runs them in order, and the
+environment they are given.
 
 Only the job's commands run in the container; the node agent, the uploader, the metrics sampler
 and the shell stay on the host, so any image works, with or without Ray or Python inside it. The
@@ -9,7 +10,7 @@ limits, and sees no host path but its binds, each at the path the job's variable
 
 The environment never reaches a command line or the container's configuration (`podman
 inspect`, the OCI spec on disk): it is written to the container's stdin as shell assignments,
-which the container's shell sources before it runs the command, whose stdin is then at its end,
+which the container's shell sources before it runs the commands, whose stdin is then at its end,
 as on the host.
 """
 
@@ -66,7 +67,7 @@ class Container:
 
     name: str
     image: str
-    status_file: str  # in a bind: the index of the command that failed
+    status_file: str  # in a bind: which command failed, and the kernel's memory kills
     binds: tuple[tuple[str, str], ...] = ()
     read_only: tuple[str, ...] = ()  # paths inside mounted read-only (weights)
     memory_bytes: int | None = None
