@@ -146,6 +146,9 @@ class CommandRunner:
         cleanup = json.dumps(podman.remove_argv(container.name))
         self._process = subprocess.Popen(
             [*_guarded(), *podman.run_argv(container, cwd, commands)],
+            # podman's conmon leaves a file named `oom` in its working directory when the kernel
+            # kills a process for memory: the rank's directory, not the agent's.
+            cwd=Path(container.status_file).parent,
             env={**os.environ, "ORCHESTRATOR_GUARD_CLEANUP": cleanup},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
             start_new_session=True,
