@@ -14,10 +14,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import tarfile
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import images
 import pytest
 from conftest import eventually, make_job, simulated_cluster
 from ray.util.state import list_actors
@@ -29,28 +30,8 @@ from orchestrator.node import podman
 
 pytestmark = pytest.mark.cluster  # starts a Ray cluster of its own
 
-IMAGE = "localhost/orchestrator-tests/busybox:1"
+IMAGE = images.BUSYBOX
 SECRET_NAME, SECRET_VALUE = "container_token", "ctr-s3cr3t-91f4"
-
-
-def build_image(directory: Path) -> None:
-    """A rootfs of busybox and its applets, imported as an image: a shell and nothing else."""
-    rootfs = directory / "rootfs"
-    (rootfs / "bin").mkdir(parents=True)
-    for folder in ("etc", "tmp", "mnt"):
-        (rootfs / folder).mkdir()
-    shutil.copy("/bin/busybox", rootfs / "bin" / "busybox")
-    applets = subprocess.run(["/bin/busybox", "--list"], capture_output=True, text=True).stdout
-    for applet in applets.split():
-        if applet != "busybox":
-            (rootfs / "bin" / applet).symlink_to("busybox")
-    with tarfile.open(directory / "rootfs.tar", "w") as tar:
-        tar.add(rootfs, arcname=".")
-    imported = subprocess.run(
-        ["podman", *podman.global_args(), "import", str(directory / "rootfs.tar"), IMAGE],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert imported.returncode == 0, imported.stderr
 
 
 class Registry:
@@ -133,7 +114,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
 def container_cluster(
     orchestrator_home, registry: Registry, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    build_image(tmp_path_factory.mktemp("image"))
+    images.busybox_image(tmp_path_factory.mktemp("image"))
     node_env = {
         "ORCHESTRATOR_JOB_RUNTIME": "container",
         _secret_env(SECRET_NAME): SECRET_VALUE,
@@ -350,3 +331,90 @@ def test_a_killed_agent_takes_its_container_along_and_the_retry_runs_in_a_new_on
     assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
     assert [a.cause for a in job.details().attempts][:1] == ["agent_lost"]
     assert any(line.endswith("] attempt 1") for line in job.logs())
+
+
+MNIST = Path(__file__).resolve().parents[1] / "recipes" / "mnist-pytorch"
+
+
+@pytest.fixture(scope="module")
+def python_image(container_cluster) -> str:
+    """Python, torch and scikit-learn, no Ray (built here once per machine: about 40 s)."""
+    return images.python_image()
+
+
+def _final_accuracy(lines: list[str]) -> str:
+    finals = [line.split("final test accuracy: ")[1] for line in lines
+              if "final test accuracy: " in line]  # fmt: skip
+    assert len(finals) == 1, lines[-20:]
+    return finals[0].strip()
+
+
+def test_the_mnist_recipe_completes_in_its_image_with_the_host_runs_accuracy(
+    container_cluster, python_image, tmp_path
+):
+    recipe = tmp_path / "mnist-pytorch"
+    shutil.copytree(MNIST, recipe)
+    config = recipe / "config.py"
+    pytorch = "pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime"
+    assert pytorch in config.read_text()  # the recipe's own image, which needs the internet
+    config.write_text(config.read_text().replace(pytorch, python_image))
+
+    job = push(config, address=container_cluster, storage_root=str(tmp_path / "storage"))
+    assert job.wait(timeout=300) == JobState.COMPLETED, job.logs()[-30:]
+    in_container = _final_accuracy(job.logs())
+    # Its 4 checkpoints (every 5 epochs of 20) were written inside and uploaded whole.
+    assert [m.name for m in job.checkpoints()] == [f"checkpoint-{n}" for n in (5, 10, 15, 20)]
+
+    host = subprocess.run(
+        [str(MNIST / "run.sh")], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "2"},
+    )  # fmt: skip
+    assert host.returncode == 0, host.stderr
+    assert in_container == _final_accuracy(host.stdout.splitlines())
+
+
+def _wheel(directory: Path) -> str:
+    """A one-module wheel: what `pip install` gets, offline."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {
+        "tiny.py": "WHO = 'installed by the first job'\n",
+        "tiny-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tiny\nVersion: 1.0\n",
+        "tiny-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\n"
+        "Root-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
+    files["tiny-1.0.dist-info/RECORD"] = "\n".join([*record, "tiny-1.0.dist-info/RECORD,,"])
+    name = "tiny-1.0-py3-none-any.whl"
+    directory.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(directory / name, "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+    return name
+
+
+def test_a_pip_install_in_one_job_leaves_the_next_jobs_environment_unchanged(
+    container_cluster, python_image, tmp_path
+):
+    wheel = _wheel(tmp_path / "first")
+    root = str(tmp_path / "storage")
+    first = push(image_job(tmp_path / "first", [
+        f"python -m pip install -q --no-index --no-cache-dir --disable-pip-version-check ./{wheel}",
+        "python -c 'import tiny; print(tiny.WHO)'",
+    ], image=python_image), address=container_cluster, storage_root=root)  # fmt: skip
+    assert first.wait(timeout=120) == JobState.COMPLETED, first.logs()
+    assert any(line.endswith("] installed by the first job") for line in first.logs())
+
+    probe = "import importlib.util as u; print('tiny is', u.find_spec('tiny') and 'here' or 'gone')"
+    second = push(image_job(tmp_path / "second", [f'python -c "{probe}"'], image=python_image),
+                  address=container_cluster, storage_root=root)  # fmt: skip
+    assert second.wait(timeout=120) == JobState.COMPLETED, second.logs()
+    assert any(line.endswith("] tiny is gone") for line in second.logs()), second.logs()
+    # The host's own environment never had it either.
+    assert subprocess.run([sys.executable, "-c", "import tiny"], capture_output=True,
+                          cwd=tmp_path).returncode == 1  # fmt: skip
