@@ -183,6 +183,8 @@ WARM_CONTROLLERS = _setting("WARM_CONTROLLERS", False, flag, HEAD)
 NODE_ROOT = _setting("NODE_ROOT", None, text, NODE)  # default: <tmp>/orchestrator
 # podman's global options for job containers; default: runc and cgroupfs on a cgroup v1 node.
 PODMAN_ARGS = _setting("PODMAN_ARGS", None, text, NODE)
+# Job images this node pulled are removed (least recently used first) past this many GiB.
+IMAGE_CACHE_GIB = _setting("IMAGE_CACHE_GIB", None, positive_float, NODE)
 NODE_CACHE_DIR = _setting("NODE_CACHE_DIR", None, text, NODE)
 NODE_CACHE_GIB = _setting("NODE_CACHE_GIB", None, positive_float, NODE)
 CLUSTER_CACHE_DIR = _setting("CLUSTER_CACHE_DIR", None, text, NODE)

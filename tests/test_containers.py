@@ -9,7 +9,9 @@ ORCHESTRATOR_SKIP_CONTAINER_TESTS=1 skips these tests instead.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,6 +40,7 @@ class Registry:
     """Debian's docker-registry on 127.0.0.1 with a password (htpasswd), holding the image."""
 
     def __init__(self, directory: Path) -> None:
+        self.directory = directory
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.address = f"127.0.0.1:{s.getsockname()[1]}"
@@ -80,6 +83,10 @@ class Registry:
         assert pushed.returncode == 0, pushed.stderr
         subprocess.run([*podman_cli, "rmi", target], check=True, capture_output=True)
         return target
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return (self.directory / "registry.log").read_text()
 
     def stop(self) -> None:
         self.process.terminate()
@@ -142,7 +149,7 @@ def _secret_env(name: str) -> str:
 
 def image_job(
     directory: Path, commands: list[str], checkpoints: bool = False, accelerator: str | None = None,
-    image: str = IMAGE, auth: str = "None",
+    image: str = IMAGE, auth: str = "None", nodes: int = 1,
 ) -> Path:  # fmt: skip
     return make_job(
         directory,
@@ -152,7 +159,8 @@ def image_job(
             name="in-a-container",
             job=d.TrainingJob(
                 image=d.Image(base_image={image!r}, docker_auth={auth}),
-                compute=d.Compute(cpu_count=1, memory="256Mi", accelerator={accelerator!r}),
+                compute=d.Compute(cpu_count=1, memory="256Mi", accelerator={accelerator!r},
+                                  node_count={nodes}),
                 runtime=d.Runtime(
                     start_commands={commands!r},
                     environment_variables={{"TOKEN": d.SecretReference(name={SECRET_NAME!r})}},
@@ -418,3 +426,41 @@ def test_a_pip_install_in_one_job_leaves_the_next_jobs_environment_unchanged(
     # The host's own environment never had it either.
     assert subprocess.run([sys.executable, "-c", "import tiny"], capture_output=True,
                           cwd=tmp_path).returncode == 1  # fmt: skip
+
+
+def test_jobs_and_ranks_asking_for_one_new_image_at_once_pull_it_once(
+    container_cluster, registry, tmp_path
+):
+    """A job of two ranks (their prepares start together, on one machine here) and a second
+    job pushed at the same time; an image with a 60 MB layer, so the pull takes a while."""
+    context = tmp_path / "context"
+    context.mkdir()
+    (context / "Containerfile").write_text(
+        f"FROM {IMAGE}\nRUN head -c 60000000 /dev/urandom > /layer\n"
+    )
+    built = images.podman_cli("build", "--ulimit", "nofile=1024:1024", "-t",
+                              "localhost/orchestrator-tests/layered:1", str(context))  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    image = registry.push("localhost/orchestrator-tests/layered:1", "shared/layered:1")
+    images.podman_cli("rmi", "localhost/orchestrator-tests/layered:1")  # its layers too
+    auth = registry_auth(registry, "registry_login")
+    root = str(tmp_path / "storage")
+    configs = [image_job(tmp_path / f"job-{n}", ["echo ran"], image=image, auth=auth, nodes=n)
+               for n in (2, 1)]  # fmt: skip
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            jobs = list(pool.map(lambda c: push(c, address=container_cluster, storage_root=root),
+                                 configs))  # fmt: skip
+        for job in jobs:
+            assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+        served = re.findall(r'"GET /v2/shared/layered/blobs/(sha256:\w+) HTTP/1.1" 200',
+                            registry.log_text())  # fmt: skip
+        # The new layer and the config, each once (the base layer was here already).
+        assert len(served) == len(set(served)) == 2, served
+        said = [line.split("] ", 1)[-1] for job in jobs for line in job.logs()]
+        assert sum(f"image {image}: pulling it onto this node" in s for s in said) == 1, said
+        assert sum(f"image {image}: pulled in " in s for s in said) == 1
+        assert any(f"image {image}: waiting for the pull of it" in s for s in said), said
+        assert sum(f"image {image}: Copying blob" in s for s in said) == 2  # podman's progress
+    finally:
+        images.podman_cli("rmi", image)

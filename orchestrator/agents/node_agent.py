@@ -98,6 +98,10 @@ class NodeAgent:
             working_dir=info.working_dir, weights=weights, cache=cache,
         )  # fmt: skip
 
+    def pull_progress(self) -> Iterator[str]:
+        """The lines of the image's pull `prepare` makes, as they come, until it ends."""
+        yield from self.preparer.pull_lines()
+
     def run_commands(self, request: StartRequest) -> Iterator[OutputLines | CommandsEnded]:
         """Join the group, then run the commands in order through a shell, stopping at a failure.
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import queue
 import shutil
 import tarfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,11 +24,12 @@ from orchestrator.agents.messages import (
     CacheRequest,
     CacheSeeded,
     Delivery,
+    ImageRequest,
     PrepareRequest,
     WeightPlacement,
 )
 from orchestrator.agents.services import actor_alive
-from orchestrator.node import podman
+from orchestrator.node.image_cache import ImageCache
 from orchestrator.node.node_root import RankDirs
 from orchestrator.node.secrets import resolve_secret
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
@@ -51,6 +55,8 @@ class NodePreparer:
         self._mounts: list[tuple[Path, str]] = []  # weight mounts: link -> the cache's directory
         self._holds_weights = False  # asked this node's cache for a set: release it at the end
         self._download_folder: Path | None = None  # where checkpoints to load were put
+        self._holds_image = False  # asked this node's image cache for the job's image
+        self._pull_lines: queue.Queue[str | None] = queue.Queue()
 
     def prepare(self, request: PrepareRequest) -> tuple[CacheSeeded | None, tuple[Delivery, ...]]:
         """Check secrets, fetch the code, create the job's directories, fetch checkpoints to load,
@@ -59,14 +65,36 @@ class NodePreparer:
         Checkpoints to load land in `<folder>/rank-<their rank>/<their name>/`; Baseten's
         default folder becomes one private to this job on this node.
         """
+        pull: _Pull | None = None
+        try:
+            for name in request.secret_names:
+                resolve_secret(name, self.team)  # a missing secret fails the deploy, naming it
+            if request.image is not None:  # pulled while the rest is done
+                pull = self._pull(request.image)
+            prepared = self._prepare(request)
+            if pull is not None:
+                pull.wait()
+            return prepared
+        finally:
+            self._pull_lines.put(None)
+
+    def pull_lines(self) -> Iterator[str]:
+        """The lines `prepare`'s pull says, as it says them; nothing without an image."""
+        while (line := self._pull_lines.get()) is not None:
+            yield line
+        self._pull_lines.put(None)  # for a second reader
+
+    def _pull(self, image: ImageRequest) -> _Pull:
+        credentials = None
+        if image.registry and image.secret_name:
+            credentials = (image.registry, resolve_secret(image.secret_name, self.team))
+        self._holds_image = True
+        return _Pull(lambda: ImageCache(alive=actor_alive).ensure(
+            image.image, self.holder[0], credentials, self._pull_lines.put
+        ))  # fmt: skip
+
+    def _prepare(self, request: PrepareRequest) -> tuple[CacheSeeded | None, tuple[Delivery, ...]]:
         dirs = self.dirs
-        for name in request.secret_names:
-            resolve_secret(name, self.team)  # a missing secret fails the deploy, naming it
-        if (image := request.image) is not None:
-            credentials = None
-            if image.registry and image.secret_name:
-                credentials = (image.registry, resolve_secret(image.secret_name, self.team))
-            podman.pull(image.image, credentials)
         if dirs.workspace.exists():
             shutil.rmtree(dirs.workspace)
         dirs.workspace.mkdir(parents=True)
@@ -170,8 +198,12 @@ class NodePreparer:
 
     def clear(self, keep_checkpoints: bool = True) -> None:
         """Remove the job's scratch, working copy, links and loaded checkpoints from this node;
-        its checkpoint directory too unless `keep_checkpoints`."""
+        its checkpoint directory too unless `keep_checkpoints`; let go of its image."""
         dirs = self.dirs
+        if self._holds_image:
+            with contextlib.suppress(Exception):  # a hold lapses with its agent anyway
+                ImageCache().release(self.holder[0])
+            self._holds_image = False
         self._unmount_weights()
         if self.cache_mounts is not None:
             self.cache_mounts.remove()
@@ -200,6 +232,26 @@ class NodePreparer:
         with contextlib.suppress(Exception):
             weight_cache_here().release.remote(self.holder[0])
         self._holds_weights = False
+
+
+class _Pull:
+    """`ensure` in a thread of its own: the image is pulled while the rest is prepared."""
+
+    def __init__(self, ensure: Callable[[], object]) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(ensure,), daemon=True)
+        self.thread.start()
+
+    def _run(self, ensure: Callable[[], object]) -> None:
+        try:
+            ensure()
+        except BaseException as e:
+            self.error = e
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def _sha256(path: Path) -> str:

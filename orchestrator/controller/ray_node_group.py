@@ -207,6 +207,10 @@ class RayNodeGroup:
     ) -> list[PreparedNode]:
         ranks = list(range(len(self.agents))) if ranks is None else ranks
         refs = [self.agents[rank].prepare.remote(request) for rank in ranks]
+        if request.image is not None:  # the pull's lines, as they come, while it prepares
+            for rank in ranks:
+                stream = self.agents[rank].pull_progress.options(num_returns="streaming").remote()
+                threading.Thread(target=self._say_pull, args=(rank, stream), daemon=True).start()
         pending = list(refs)
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
@@ -219,6 +223,11 @@ class RayNodeGroup:
             raise error(f"preparing the node failed: {short_error(e)}") from e
         self.node_ids.update({p.rank: p.node_id for p in prepared})
         return prepared
+
+    def _say_pull(self, rank: int, stream: Any) -> None:
+        with contextlib.suppress(Exception):  # the agent is gone: prepare says what happened
+            for ref in stream:
+                self.say(f"rank {rank}: {ray.get(ref)}")
 
     # --- running ---------------------------------------------------------------------------
 

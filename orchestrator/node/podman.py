@@ -22,6 +22,8 @@ import resource
 import shlex
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,16 +80,16 @@ class ImagePullFailed(RuntimeError):
     """The node could not get the job's image; the message names it, its registry and why."""
 
 
-def pull(image: str, credentials: tuple[str, str] | None = None, timeout_s: float = 1800) -> None:
-    """Get `image` onto this node unless it is here already: before the job's commands, so a
-    missing image or a refused password ends the deploy, naming them. `credentials`: the
-    registry and `username:password` (docker_auth's REGISTRY_SECRET), given to podman in an
-    auth file of this call's own, removed after (never on a command line)."""
-    base = ["podman", *global_args()]
-    if subprocess.run([*base, "image", "exists", image], capture_output=True).returncode == 0:
-        return
+def pull(
+    image: str, credentials: tuple[str, str] | None = None, timeout_s: float = 1800,
+    say: Callable[[str], None] = lambda _: None,
+) -> None:  # fmt: skip
+    """Pull `image` onto this node (node/image_cache.py decides when), saying podman's progress
+    lines as they come, so a missing image or a refused password ends the deploy, naming them.
+    `credentials`: the registry and `username:password` (docker_auth's REGISTRY_SECRET), given
+    to podman in an auth file of this call's own, removed after (never on a command line)."""
     with tempfile.TemporaryDirectory(prefix="orchestrator-pull-") as private:  # mode 0700
-        argv = [*base, "pull", "--quiet"]
+        argv = ["podman", *global_args(), "pull"]
         if credentials is not None:
             registry, secret = credentials
             auth = Path(private) / "auth.json"
@@ -95,16 +97,74 @@ def pull(image: str, credentials: tuple[str, str] | None = None, timeout_s: floa
             token = base64.b64encode(secret.encode()).decode()
             auth.write_text(json.dumps({"auths": {registry: {"auth": token}}}))
             argv += ["--authfile", str(auth)]
+        process = subprocess.Popen(
+            [*argv, image], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        timed_out = threading.Event()
+
+        def expire() -> None:
+            timed_out.set()
+            process.kill()
+
+        deadline = threading.Timer(timeout_s, expire)
+        deadline.start()
+        lines = []
         try:
-            pulled = subprocess.run([*argv, image], capture_output=True, text=True,
-                                    timeout=timeout_s)  # fmt: skip
-        except subprocess.TimeoutExpired:
-            raise ImagePullFailed(f"pulling image {image} took over {timeout_s:g} s") from None
-    if pulled.returncode != 0:
-        words = [line for line in pulled.stderr.splitlines() if line.strip()]
-        why = words[-1].removeprefix("Error: ") if words else f"podman exited {pulled.returncode}"
+            assert process.stderr is not None
+            for line in process.stderr:  # not a terminal: one line per step, no bars
+                if line.strip():
+                    lines.append(line.strip())
+                    if not line.startswith("Error"):
+                        say(line.strip())
+            code = process.wait()
+        finally:
+            deadline.cancel()
+    if timed_out.is_set():
+        raise ImagePullFailed(f"pulling image {image} took over {timeout_s:g} s")
+    if code != 0:
+        why = lines[-1].removeprefix("Error: ") if lines else f"podman exited {code}"
         registry = credentials[0] if credentials else image.split("/")[0]
         raise ImagePullFailed(f"could not pull image {image} from {registry}: {why}")
+
+
+def exists(image: str) -> bool:
+    found = subprocess.run(["podman", *global_args(), "image", "exists", image],
+                           capture_output=True)  # fmt: skip
+    return found.returncode == 0
+
+
+def image_facts(image: str) -> tuple[str, int] | None:
+    """The image's full id and size in bytes, or None if this node has no image of that name."""
+    found = subprocess.run(
+        ["podman", *global_args(), "image", "inspect", "--format", "{{.Id}} {{.Size}}", image],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if found.returncode != 0 or len(found.stdout.split()) != 2:
+        return None
+    ident, size = found.stdout.split()
+    return ident, int(size)
+
+
+def images_in_use() -> set[str]:
+    """The full ids of the images any container on this node (running or not) was made from."""
+    listed = subprocess.run(["podman", *global_args(), "ps", "-a", "--format", "{{.ImageID}}"],
+                            capture_output=True, text=True)  # fmt: skip
+    return {line.strip() for line in listed.stdout.splitlines() if line.strip()}
+
+
+def remove_image(image: str) -> bool:
+    """The name removed (and the image with it, when no other name is left on it)."""
+    removed = subprocess.run(["podman", *global_args(), "rmi", image], capture_output=True)
+    return removed.returncode == 0
+
+
+def storage_root() -> str:
+    """Where podman keeps its images on this node."""
+    found = subprocess.run(
+        ["podman", *global_args(), "info", "--format", "{{.Store.GraphRoot}}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    return found.stdout.strip() if found.returncode == 0 and found.stdout.strip() else "/"
 
 
 def global_args() -> list[str]:
