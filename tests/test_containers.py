@@ -29,6 +29,7 @@ from orchestrator import actor_names
 from orchestrator.client.api import push
 from orchestrator.lifecycle import JobState
 from orchestrator.node import podman
+from orchestrator.node.image_cache import ImageCache
 
 pytestmark = pytest.mark.cluster  # starts a Ray cluster of its own
 
@@ -289,6 +290,7 @@ def test_a_private_image_is_pulled_with_its_registry_secret_before_the_commands(
     assert "auth_method AWS_OIDC is not supported in containers yet: use REGISTRY_SECRET" in (
         cloud.details().failure.cause
     )
+    images.podman_cli("rmi", image)  # what this test pulled
 
 
 def test_a_gpu_job_is_refused_in_a_container_saying_so(container_cluster, tmp_path):
@@ -380,6 +382,18 @@ def test_the_mnist_recipe_completes_in_its_image_with_the_host_runs_accuracy(
     assert host.returncode == 0, host.stderr
     assert in_container == _final_accuracy(host.stdout.splitlines())
 
+    # `view` says where it ran: the image, and its id as the node had it.
+    digest = images.podman_cli("image", "inspect", "--format", "{{.Digest}}", python_image).stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "view", "--job-id", job.id, "--storage-root",
+         str(tmp_path / "storage")], capture_output=True, text=True, env={**os.environ,
+         "COLUMNS": "300"},
+    ).stdout  # fmt: skip
+    assert f"container of {python_image} ({digest.strip()})" in shown, shown
+    assert f"the commands run in a container of {python_image} ({digest.strip()})" in "\n".join(
+        job.logs()
+    )
+
 
 def _wheel(directory: Path) -> str:
     """A one-module wheel: what `pip install` gets, offline."""
@@ -464,3 +478,37 @@ def test_jobs_and_ranks_asking_for_one_new_image_at_once_pull_it_once(
         assert sum(f"image {image}: Copying blob" in s for s in said) == 2  # podman's progress
     finally:
         images.podman_cli("rmi", image)
+
+
+def test_the_node_removes_images_it_pulled_least_recently_used_first_never_one_in_use(
+    registry, tmp_path, monkeypatch
+):
+    """The node's image cache alone (no Ray): a budget of two images, four pulled in turn."""
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registry.registries_conf))
+    names = [registry.push(IMAGE, f"evict/{n}:1") for n in "abcd"]
+    a, b, c, d = names
+    size = images.podman_cli("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout
+    dead: set[str] = set()
+    cache = ImageCache(tmp_path / "images", budget_bytes=int(size) * 2 + 1000,
+                       alive=lambda holder: holder not in dead)  # fmt: skip
+    login = (registry.address, f"{REGISTRY_USER}:{REGISTRY_PASSWORD}")
+    said: list[str] = []
+    try:
+        assert cache.ensure(a, "agent-a", login, said.append) == []
+        cache.release("agent-a")  # its job ended
+        assert cache.ensure(b, "agent-b", login, said.append) == []  # held: its job runs
+        assert cache.ensure(c, "agent-c", login, said.append) == [a]  # the one no job holds
+        assert not podman.exists(a) and podman.exists(b) and podman.exists(c)
+        # An image put here by other means is used, and never removed.
+        assert cache.ensure(IMAGE, "agent-own", None, said.append) == []
+        assert f"image {IMAGE}: on this node already" in said
+        # b's agent died without letting go: its hold lapses. c is held, d is being pulled.
+        dead.add("agent-b")
+        assert cache.ensure(d, "agent-d", login, said.append) == [b]
+        assert [podman.exists(n) for n in names] == [False, False, True, True]
+        assert podman.exists(IMAGE)
+        assert any(s.startswith("images removed from this node for room") and b in s
+                   for s in said)  # fmt: skip
+    finally:
+        for name in names:
+            images.podman_cli("rmi", name)

@@ -140,8 +140,10 @@ class CommandRunner:
         # Under the rank's name: what an earlier attempt's agent left goes first.
         subprocess.run(podman.remove_argv(container.name), capture_output=True)
         self._container_pid = None
-        yield from _items([self._tag(f"the commands run in a container of {container.image} "
-                                     f"({podman.image_id(container.image)})", False)])  # fmt: skip
+        digest = podman.image_digest(container.image) or "its digest unknown"
+        yield from _items([self._tag(
+            f"the commands run in a container of {container.image} ({digest})", False
+        )])  # fmt: skip
         Path(container.status_file).unlink(missing_ok=True)
         cleanup = json.dumps(podman.remove_argv(container.name))
         self._process = subprocess.Popen(

@@ -128,11 +128,12 @@ class PreparedNode:
     working_dir: str
     weights: tuple[Delivery, ...] = ()
     cache: CacheSeeded | None = None
+    image_digest: str | None = None  # the job's image as pulled here (container runtime)
 
     def node_info(self) -> NodeInfo:
         return NodeInfo(
             rank=self.rank, node_id=self.node_id, ip=self.ip, hostname=self.hostname,
-            working_dir=self.working_dir,
+            working_dir=self.working_dir, image_digest=self.image_digest,
         )  # fmt: skip
 
 

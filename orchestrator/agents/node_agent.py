@@ -96,6 +96,7 @@ class NodeAgent:
         return PreparedNode(
             rank=info.rank, node_id=info.node_id, ip=info.ip, hostname=info.hostname,
             working_dir=info.working_dir, weights=weights, cache=cache,
+            image_digest=self.preparer.image_digest,
         )  # fmt: skip
 
     def pull_progress(self) -> Iterator[str]:

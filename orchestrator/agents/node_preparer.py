@@ -29,6 +29,7 @@ from orchestrator.agents.messages import (
     WeightPlacement,
 )
 from orchestrator.agents.services import actor_alive
+from orchestrator.node import podman
 from orchestrator.node.image_cache import ImageCache
 from orchestrator.node.node_root import RankDirs
 from orchestrator.node.secrets import resolve_secret
@@ -56,6 +57,7 @@ class NodePreparer:
         self._holds_weights = False  # asked this node's cache for a set: release it at the end
         self._download_folder: Path | None = None  # where checkpoints to load were put
         self._holds_image = False  # asked this node's image cache for the job's image
+        self.image_digest: str | None = None  # what the image's name was here when prepared
         self._pull_lines: queue.Queue[str | None] = queue.Queue()
 
     def prepare(self, request: PrepareRequest) -> tuple[CacheSeeded | None, tuple[Delivery, ...]]:
@@ -74,6 +76,7 @@ class NodePreparer:
             prepared = self._prepare(request)
             if pull is not None:
                 pull.wait()
+                self.image_digest = podman.image_digest(request.image.image)
             return prepared
         finally:
             self._pull_lines.put(None)

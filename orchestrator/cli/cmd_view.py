@@ -13,7 +13,7 @@ from orchestrator.cli.render import OutputFormat, console, human_bytes, print_js
 from orchestrator.client.api import get_job, list_jobs
 from orchestrator.client.jobs import JobHandle
 from orchestrator.lifecycle import JobState
-from orchestrator.storage.records import JobStatus
+from orchestrator.storage.records import JobRecord, JobStatus
 
 
 def view(
@@ -142,6 +142,7 @@ def _job_detail(job: JobHandle) -> dict:
         "history": [e.model_dump(mode="json") for e in details.history],
         "failure": details.failure.model_dump(mode="json") if details.failure else None,
         "nodes_detail": [n.model_dump(mode="json") for n in details.nodes],
+        "runtime": _runtime(job.record, details),
         "weights": [w.model_dump(mode="json") for w in details.weights],
         "checkpoint_entries": (
             [e.model_dump(mode="json") for e in summary.entries] if summary else []
@@ -152,6 +153,16 @@ def _job_detail(job: JobHandle) -> dict:
         "retry": job.record.retry.model_dump(mode="json"),
         "attempts": [a.model_dump(mode="json") for a in details.attempts],
     }
+
+
+def _runtime(record: JobRecord, details: JobStatus) -> str | None:
+    """Where its commands ran, once a node was prepared: in which image (as each node had it)."""
+    if not details.nodes:
+        return None
+    digests = sorted({n.image_digest for n in details.nodes if n.image_digest})
+    if not digests:
+        return "host (each node's own environment)"
+    return f"container of {record.spec.job.image.base_image} ({', '.join(digests)})"
 
 
 def _weights_line(w: dict) -> str:
@@ -191,6 +202,8 @@ def _print_detail(job: JobHandle) -> None:
     for event in d["history"]:
         reason = escape(event["reason"] or "")
         table.add_row("", f"{when(event['at'])}  {event['state']}  {reason}")
+    if d["runtime"]:
+        table.add_row("runtime", escape(d["runtime"]))
     for node in d["nodes_detail"]:
         again = f", prepared for attempt {node['prepared_for']}" if node["prepared_for"] else ""
         table.add_row(

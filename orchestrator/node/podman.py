@@ -224,14 +224,14 @@ def container_pid(name: str) -> int | None:
     return int(pid) if found.returncode == 0 and pid.isdigit() and int(pid) > 0 else None
 
 
-def image_id(image: str) -> str:
-    """What the node has under that name (`sha256:<first 12>`), or that it is pulled first."""
+def image_digest(image: str) -> str | None:
+    """The digest of what this node has under that name (`image@digest` pins it), or None."""
     found = subprocess.run(
-        ["podman", *global_args(), "image", "inspect", "--format", "{{.Id}}", image],
+        ["podman", *global_args(), "image", "inspect", "--format", "{{.Digest}}", image],
         capture_output=True, text=True,
     )  # fmt: skip
-    ident = found.stdout.strip()
-    return f"sha256:{ident[:12]}" if found.returncode == 0 and ident else "not on this node yet"
+    digest = found.stdout.strip()
+    return digest if found.returncode == 0 and digest.startswith("sha256:") else None
 
 
 def failed_command(status_file: str) -> tuple[int | None, int]:

@@ -102,6 +102,8 @@ class NodeInfo(_Record):
     hostname: str
     working_dir: str | None = None
     prepared_for: int = 0  # the attempt this node was prepared for (a replacement's is later)
+    # The digest of the image its commands ran in (image@digest pins it); None: on the host.
+    image_digest: str | None = None
 
 
 # The fields typed with these enums accept only their values, and hold them as plain strings
