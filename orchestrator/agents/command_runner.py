@@ -140,7 +140,7 @@ class CommandRunner:
         # Under the rank's name: what an earlier attempt's agent left goes first.
         subprocess.run(podman.remove_argv(container.name), capture_output=True)
         self._container_pid = None
-        digest = podman.image_digest(container.image) or "its digest unknown"
+        digest = container.digest or "its digest unknown"
         yield from _items([self._tag(
             f"the commands run in a container of {container.image} ({digest})", False
         )])  # fmt: skip

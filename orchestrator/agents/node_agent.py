@@ -155,7 +155,7 @@ class NodeAgent:
         return Container(
             name=self.actor_name, image=request.image, status_file=str(self.dirs.base / "failed"),
             binds=tuple(binds), read_only=tuple(read_only), memory_bytes=request.memory_bytes,
-            cpus=request.cpus,
+            cpus=request.cpus, digest=self.preparer.image_digest,
         )  # fmt: skip
 
     def _start_sampling(self, request: MetricsRequest) -> None:

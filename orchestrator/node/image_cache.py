@@ -62,7 +62,8 @@ class ImageCache:
                 entry = state.setdefault(image, {"pulled": pulled, "holders": []})
                 entry["last_used"] = time.time()
                 entry["holders"] = sorted({*entry["holders"], holder})
-                removed = self._evict(state, keep=image)
+                # Only a pull adds to what the images hold.
+                removed = self._evict(state, keep=image) if pulled else []
         if removed:
             say(f"images removed from this node for room (least recently used, no job's): "
                 f"{', '.join(removed)}")  # fmt: skip
@@ -81,7 +82,7 @@ class ImageCache:
             del state[image], facts[image]  # removed by other means
         ours = {image: found for image, found in facts.items() if state[image]["pulled"]}
         total = sum(size for _, size in ours.values())
-        budget = self.budget_bytes if self.budget_bytes is not None else _budget(total)
+        budget = self.budget_bytes if self.budget_bytes is not None else _budget(total, keep)
         if total <= budget:
             return []
         in_use = podman.images_in_use()
@@ -127,9 +128,10 @@ def _locked(path: Path, waiting: Callable[[], None] = lambda: None) -> Iterator[
         yield
 
 
-def _budget(held: int) -> int:
+def _budget(held: int, image: str) -> int:
     """ORCHESTRATOR_IMAGE_CACHE_GIB, else 80% of what the images could use: the free space of
-    the disk podman keeps them on plus what the ones pulled here hold (as the weight cache)."""
+    the disk podman keeps them on (`image`'s) plus what the ones pulled here hold (as the weight
+    cache does)."""
     if (value := settings.IMAGE_CACHE_GIB.get()) is not None:
         return int(value * GIB)
-    return int((shutil.disk_usage(podman.storage_root()).free + held) * 0.8)
+    return int((shutil.disk_usage(podman.storage_dir(image)).free + held) * 0.8)

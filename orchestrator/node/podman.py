@@ -74,6 +74,7 @@ class Container:
     read_only: tuple[str, ...] = ()  # paths inside mounted read-only (weights)
     memory_bytes: int | None = None
     cpus: float | None = None
+    digest: str | None = None  # the image's, as the node had it when prepared
 
 
 class ImagePullFailed(RuntimeError):
@@ -158,13 +159,14 @@ def remove_image(image: str) -> bool:
     return removed.returncode == 0
 
 
-def storage_root() -> str:
-    """Where podman keeps its images on this node."""
+def storage_dir(image: str) -> str:
+    """A directory on the disk where podman keeps `image` (its top layer's)."""
     found = subprocess.run(
-        ["podman", *global_args(), "info", "--format", "{{.Store.GraphRoot}}"],
-        capture_output=True, text=True,
+        ["podman", *global_args(), "image", "inspect", "--format",
+         "{{.GraphDriver.Data.UpperDir}}", image], capture_output=True, text=True,
     )  # fmt: skip
-    return found.stdout.strip() if found.returncode == 0 and found.stdout.strip() else "/"
+    path = found.stdout.strip()
+    return path if found.returncode == 0 and path.startswith("/") else "/"
 
 
 def global_args() -> list[str]:
