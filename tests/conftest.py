@@ -282,22 +282,27 @@ def eventually(predicate, what: str, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
-def simulated_cluster() -> tuple[Cluster, str]:
+def simulated_cluster(ray_client_port: int | None = None) -> tuple[Cluster, str]:
     """A `ray.cluster_utils.Cluster` head (1 CPU, a dashboard on loopback) that jobs are pushed
     to by its dashboard address; the caller adds the workers and shuts it down. Not the
-    embedded cluster, so the controller's interpreter is named explicitly."""
+    embedded cluster, so the controller's interpreter is named explicitly. `ray_client_port`:
+    a Ray Client server there too (`orchestrator shell`'s terminal)."""
     os.environ.update({**embedded_env(), **CLUSTER_ENV, "ORCHESTRATOR_PYTHON": sys.executable})
+    port = free_port()
+    head = {"num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+            "dashboard_port": port,
+            # our series reach Prometheus in 2 s rather than 10
+            "_system_config": {"metrics_report_interval_ms": 2000}}  # fmt: skip
+    if ray_client_port is not None:
+        head["ray_client_server_port"] = ray_client_port
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    return cluster, f"http://127.0.0.1:{port}"
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": True,
-                        "dashboard_host": "127.0.0.1", "dashboard_port": port,
-                        # our series reach Prometheus in 2 s rather than 10
-                        "_system_config": {"metrics_report_interval_ms": 2000}},
-    )  # fmt: skip
-    return cluster, f"http://127.0.0.1:{port}"
+        return s.getsockname()[1]
 
 
 def make_job(directory: Path, config_body: str, files: dict[str, str] | None = None) -> Path:

@@ -10,6 +10,7 @@ ORCHESTRATOR_SKIP_CONTAINER_TESTS=1 skips these tests instead.
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import os
 import re
 import shutil
@@ -20,8 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import images
+import pexpect
 import pytest
-from conftest import eventually, make_job, simulated_cluster
+from conftest import eventually, free_port, make_job, simulated_cluster
 from ray.util.state import list_actors
 from registry import REGISTRY_PASSWORD, REGISTRY_USER, Registry
 
@@ -69,9 +71,11 @@ def container_cluster(
         _secret_env("registry_wrong"): f"{REGISTRY_USER}:not-the-password",
         "CONTAINERS_REGISTRIES_CONF": str(registry.registries_conf),
     }
+    client_port = free_port()  # `orchestrator shell`'s terminal goes through Ray Client
+    node_env["ORCHESTRATOR_RAY_CLIENT_ADDRESS"] = f"ray://127.0.0.1:{client_port}"
     saved = {k: os.environ.get(k) for k in node_env}
     os.environ.update(node_env)
-    cluster, address = simulated_cluster()
+    cluster, address = simulated_cluster(ray_client_port=client_port)
     try:
         cluster.add_node(num_cpus=2)
         cluster.add_node(num_cpus=1, num_gpus=1, resources={"accelerator_type:H100": 1})
@@ -454,3 +458,68 @@ def test_the_node_removes_images_it_pulled_least_recently_used_first_never_one_i
     finally:
         for name in names:
             images.podman_cli("rmi", name)
+
+
+def _attach(job, storage_root: str, **env: str) -> pexpect.spawn:
+    """`orchestrator shell --job-id ID` on a pseudo-terminal of 33 rows and 101 columns."""
+    terminal = pexpect.spawn(
+        sys.executable, ["-m", "orchestrator", "shell", "--job-id", job.id,
+                         "--storage-root", storage_root],
+        env={**os.environ, **env}, dimensions=(33, 101), timeout=60,
+    )  # fmt: skip
+    terminal.logfile_read = io.BytesIO()
+    terminal.sendline("PS1='orch''> '")  # the quotes keep the prompt out of the echoed line
+    terminal.expect_exact("orch> ")
+    return terminal
+
+
+def _running_in(job, pid: str) -> bool:
+    _, output = job.exec(f"kill -0 {pid} 2>/dev/null && echo alive || echo gone")
+    return output.strip() == "alive"
+
+
+def test_a_terminal_opens_in_the_ranks_container_and_ends_with_what_it_started(
+    container_cluster, tmp_path
+):
+    root = str(tmp_path / "storage")
+    job = push(image_job(tmp_path / "job", ["echo ready; while :; do sleep 0.1; done"]),
+               address=container_cluster, storage_root=root)  # fmt: skip
+    eventually(lambda: any(line.endswith("] ready") for line in job.logs()), "ready", 120)
+    here = Path(__file__).resolve().parent
+    try:
+        terminal = _attach(job, root)
+        terminal.sendline(f"tty; stty size; echo token=$TOKEN; test -e {here} || echo no-host; pwd")
+        terminal.expect(r"/dev/pts/\d+")
+        terminal.expect_exact("33 101")
+        terminal.expect_exact("token=*****")  # the job's environment, masked on the way out
+        terminal.expect_exact("no-host")  # the container's filesystem, not the node's
+        terminal.expect_exact(job.details().nodes[0].working_dir)
+        terminal.expect_exact("orch> ")
+        terminal.sendline("echo started-$((2+3)); sleep 300; echo not-interrupted")
+        terminal.expect_exact("started-5")
+        terminal.sendcontrol("c")  # Ctrl-C reaches the program in the container
+        terminal.expect_exact("orch> ", timeout=30)
+        terminal.sendline("echo rc=$?")
+        terminal.expect_exact("rc=130")
+        terminal.sendline("sleep 1000 & echo bg=$!")
+        terminal.expect(r"bg=(\d+)")
+        background = terminal.match.group(1).decode()
+        assert _running_in(job, background)
+        terminal.sendline("exit 7")
+        terminal.expect(pexpect.EOF)
+        terminal.close()
+        assert terminal.exitstatus == 7
+        eventually(lambda: not _running_in(job, background), "its background job to end", 30)
+        assert SECRET_VALUE not in terminal.logfile_read.getvalue().decode(errors="replace")
+
+        # A client that vanishes loses its shell, and what the shell started, in the container.
+        lost = _attach(job, root, ORCHESTRATOR_TERMINAL_LOST_S="3")
+        lost.sendline("sleep 1001 & echo pids=$!,$$")
+        lost.expect(r"pids=(\d+),(\d+)")
+        pids = [p.decode() for p in lost.match.groups()]
+        lost.kill(signal.SIGKILL)
+        lost.close()
+        eventually(lambda: not any(_running_in(job, p) for p in pids), "the shell to end", 30)
+        assert job.status() == JobState.RUNNING  # the job runs on
+    finally:
+        assert job.stop(timeout=60) == JobState.STOPPED

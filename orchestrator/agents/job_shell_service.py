@@ -71,12 +71,7 @@ class JobShellService:
     def open_terminal(self, rows: int, cols: int, term: str, lost_after_s: float) -> str:
         """Start a shell on a PTY; its terminal id."""
         env, cwd, mask = self._started()
-        if self._container is not None:
-            raise RuntimeError(
-                "a terminal in a job whose commands run in a container is not supported yet: "
-                "run one command with `orchestrator shell --job-id ID -- CMD`"
-            )
         return self.terminals.open(
             env=env, cwd=cwd, masker=mask, rows=rows, cols=cols, term=term,
-            lost_after_s=lost_after_s,
+            lost_after_s=lost_after_s, container=self._container,
         )  # fmt: skip

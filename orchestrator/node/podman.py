@@ -209,6 +209,46 @@ def exec_argv(name: str, cwd: str, command: str) -> list[str]:
     ]  # fmt: skip
 
 
+# A terminal's shell in the container: the job's variables from fd 3, its pid (inside) to fd 4,
+# then bash if the image has it, else sh.
+_TERMINAL = """. /dev/fd/3 || exit 125
+exec 3<&-
+echo $$ >&4
+exec 4>&-
+export SHELL=/bin/sh TERM="$1"
+[ -x /bin/bash ] && SHELL=/bin/bash
+exec "$SHELL" -i
+"""
+# The terminal's hang-up: SIGHUP to each process of session $1, SIGKILL to those left after $2 s.
+_HANG_UP = """members() {
+    for d in /proc/[0-9]*; do
+        read -r line < "$d/stat" 2>/dev/null || continue
+        set -- ${line##*) }
+        [ "$4" = "$session" ] && echo "${d#/proc/}"
+    done
+}
+session=$1 tenths=$(($2 * 10))
+kill -s HUP $(members) 2>/dev/null
+while [ "$tenths" -gt 0 ] && [ -n "$(members)" ]; do sleep 0.1; tenths=$((tenths - 1)); done
+kill -s KILL $(members) 2>/dev/null
+exit 0
+"""
+
+
+def terminal_argv(name: str, cwd: str, term: str) -> list[str]:
+    """`podman exec -it` of an interactive shell in the rank's container, fds 3 and 4 passed in
+    (`_TERMINAL`)."""
+    return [
+        "podman", *global_args(), "exec", "-it", "--preserve-fds", "2", "--workdir", cwd, name,
+        "/bin/sh", "-c", _TERMINAL, "orchestrator", term,
+    ]  # fmt: skip
+
+
+def hang_up_argv(name: str, session: str, grace_s: float) -> list[str]:
+    return ["podman", *global_args(), "exec", name, "/bin/sh", "-c", _HANG_UP, "orchestrator",
+            session, str(max(int(grace_s), 1))]  # fmt: skip
+
+
 def signal_all_argv(name: str, signal: str = "TERM") -> list[str]:
     """Signal every process in the container but its init (and this shell), as a stop on the
     host signals the command's whole process group."""

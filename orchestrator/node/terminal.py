@@ -49,21 +49,26 @@ class Terminal:
         cols: int,
         term: str,
         lost_after_s: float,
+        container: str | None = None,
     ) -> None:
         master, child_end = os.openpty()
         _set_size(master, rows, cols)
-        shell = _shell(env)
+        self.container = _InContainer(container, env, cwd, term) if container else None
         try:
-            self.process = subprocess.Popen(
-                [shell, "-i"],
-                stdin=child_end,
-                stdout=child_end,
-                stderr=child_end,
-                cwd=cwd,
-                env={**env, "TERM": term or "xterm-256color", "SHELL": shell},
-                start_new_session=True,  # the shell leads a session: its PTY is its own
-                preexec_fn=_take_controlling_terminal,
-            )
+            if self.container is not None:
+                self.process = self.container.start(child_end)
+            else:
+                shell = _shell(env)
+                self.process = subprocess.Popen(
+                    [shell, "-i"],
+                    stdin=child_end,
+                    stdout=child_end,
+                    stderr=child_end,
+                    cwd=cwd,
+                    env={**env, "TERM": term or "xterm-256color", "SHELL": shell},
+                    start_new_session=True,  # the shell leads a session: its PTY is its own
+                    preexec_fn=_take_controlling_terminal,
+                )
         except BaseException:
             os.close(master)
             raise
@@ -133,6 +138,8 @@ class Terminal:
             self._release()
 
     def _hang_up(self) -> None:
+        if self.container is not None:  # the shell's session in the container first
+            self.container.hang_up()
         members = _session_members(self.process.pid)
         for process in members:
             with contextlib.suppress(psutil.Error):
@@ -202,6 +209,62 @@ class Terminals:
                 lost = [tid for tid, terminal in self._open.items() if terminal.lost]
             for terminal_id in lost:
                 self.close(terminal_id)
+
+
+class _InContainer:
+    """A terminal's shell in the rank's container (`podman exec -it`): the job's environment
+    goes in on a pipe (fd 3 inside), never on a command line; the shell says its pid inside on
+    another (fd 4), which its hang-up needs, as podman's client ending leaves it running."""
+
+    def __init__(self, name: str, env: dict[str, str], cwd: str, term: str) -> None:
+        self.name, self.env, self.cwd, self.term = name, env, cwd, term
+        self.pid: str | None = None
+
+    def start(self, child_end: int) -> subprocess.Popen:
+        from orchestrator.node import podman
+
+        env_read, env_write = os.pipe()
+        pid_read, pid_write = os.pipe()
+        # Above 3 and 4, so the child's dup2 onto them never overwrites the other.
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (env_read, pid_write)]
+        for fd in (env_read, pid_write):
+            os.close(fd)
+
+        def child() -> None:
+            _take_controlling_terminal()
+            os.dup2(high[0], 3)  # dup2's copy is inheritable; the originals close on exec
+            os.dup2(high[1], 4)
+
+        try:
+            process = subprocess.Popen(
+                podman.terminal_argv(self.name, self.cwd, self.term or "xterm-256color"),
+                stdin=child_end, stdout=child_end, stderr=child_end, start_new_session=True,
+                preexec_fn=child, pass_fds=(3, 4),
+            )  # fmt: skip
+        finally:
+            for fd in high:
+                os.close(fd)
+        threading.Thread(target=_write_all, args=(env_write, podman.environment_script(self.env)),
+                         daemon=True).start()  # fmt: skip
+        with os.fdopen(pid_read, "rb") as said:
+            ready, _, _ = select.select([said], [], [], 30)
+            line = said.readline().strip() if ready else b""
+        self.pid = line.decode() if line.isdigit() else None
+        return process
+
+    def hang_up(self) -> None:
+        """SIGHUP to every process of the shell's session in the container, SIGKILL to what is
+        left after HANGUP_GRACE_S."""
+        from orchestrator.node import podman
+
+        if self.pid is not None:
+            subprocess.run(podman.hang_up_argv(self.name, self.pid, HANGUP_GRACE_S),
+                           capture_output=True, timeout=30)  # fmt: skip
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with contextlib.suppress(OSError), os.fdopen(fd, "wb") as pipe:
+        pipe.write(data)
 
 
 def _shell(env: dict[str, str]) -> str:
