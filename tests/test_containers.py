@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def _secret_env(name: str) -> str:
 
 def image_job(
     directory: Path, commands: list[str], checkpoints: bool = False, accelerator: str | None = None,
-    image: str = IMAGE, auth: str = "None", nodes: int = 1,
+    image: str = IMAGE, auth: str = "None", nodes: int = 1, session: str = "None",
 ) -> Path:  # fmt: skip
     return make_job(
         directory,
@@ -110,6 +111,7 @@ def image_job(
                     environment_variables={{"TOKEN": d.SecretReference(name={SECRET_NAME!r})}},
                     checkpointing_config=d.CheckpointingConfig(enabled={checkpoints}),
                 ),
+                interactive_session={session},
             ),
         )
         """,
@@ -523,3 +525,35 @@ def test_a_terminal_opens_in_the_ranks_container_and_ends_with_what_it_started(
         assert job.status() == JobState.RUNNING  # the job runs on
     finally:
         assert job.stop(timeout=60) == JobState.STOPPED
+
+
+def test_a_held_jobs_shell_runs_in_a_new_container_of_its_image_with_the_ranks_files(
+    container_cluster, tmp_path
+):
+    """The commands' container is gone with them; the shell of a job whose nodes are held for
+    an interactive session gets one like it: the image, the rank's binds, the environment."""
+    root = str(tmp_path / "storage")
+    commands = ["echo changed > /etc/changed; echo left > $BT_CHECKPOINT_DIR/note.txt; exit 7"]
+    job = push(image_job(tmp_path / "job", commands, checkpoints=True,
+                         session='d.InteractiveSession(trigger="on_failure", timeout_minutes=5)'),
+               address=container_cluster, storage_root=root)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while job.details().held_until is None:
+        assert time.monotonic() < deadline and not job.status().is_terminal, job.logs()[-10:]
+        time.sleep(0.2)
+    name = actor_names.node_agent(job.id, 0)
+    assert not podman.exists(name, "container")  # the commands' container ended with them
+    here = Path(__file__).resolve().parent
+    probe = f"test -e /etc/changed || echo fresh; test -e {here} || echo no-host; echo token $TOKEN"
+    code, output = job.exec(f"cat $BT_CHECKPOINT_DIR/note.txt; {probe}")
+    assert (code, output) == (0, "left\nfresh\nno-host\ntoken *****\n")
+    terminal = _attach(job, root)
+    terminal.sendline("cat $BT_CHECKPOINT_DIR/note.txt; exit 3")
+    terminal.expect_exact("left")
+    terminal.expect(pexpect.EOF)
+    terminal.close()
+    assert terminal.exitstatus == 3
+    assert job.stop(timeout=60) == JobState.FAILED  # the hold ends; the failure stays
+    assert job.details().failure.exit_code == 7
+    left = images.podman_cli("ps", "-a", "--format", "{{.Names}}").stdout.split()
+    assert not [n for n in left if n.startswith(name)], left  # none of its shells' containers

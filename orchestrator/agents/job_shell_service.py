@@ -25,14 +25,15 @@ class JobShellService:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._job: tuple[dict[str, str], str, SecretMasker] | None = None
-        self._container: str | None = None
+        self._container: podman.Container | None = None
         self.terminals = Terminals()
 
     def commands_started(
-        self, env: dict[str, str], cwd: str, mask: SecretMasker, container: str | None = None
-    ) -> None:
-        """What the job's commands run with, from now on what every shell runs with; in the
-        named container where they run in one."""
+        self, env: dict[str, str], cwd: str, mask: SecretMasker,
+        container: podman.Container | None = None,
+    ) -> None:  # fmt: skip
+        """What the job's commands run with, from now on what every shell runs with; in their
+        container where they run in one (or, once it ended, a new one like it)."""
         self._job = (env, cwd, mask)
         self._container = container
 

@@ -133,7 +133,7 @@ class NodeAgent:
             # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.
             path = full_env.get("PATH", "")
             full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{path}"
-        self.shell.commands_started(full_env, request.cwd, mask, container and container.name)
+        self.shell.commands_started(full_env, request.cwd, mask, container)
         if request.metrics is not None:
             try:
                 self._start_sampling(request.metrics)

@@ -23,6 +23,7 @@ import shlex
 import subprocess
 import tempfile
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,8 +129,9 @@ def pull(
         raise ImagePullFailed(f"could not pull image {image} from {registry}: {why}")
 
 
-def exists(image: str) -> bool:
-    found = subprocess.run(["podman", *global_args(), "image", "exists", image],
+def exists(name: str, kind: str = "image") -> bool:
+    """Whether this node has an image (or a container, `kind`) of that name."""
+    found = subprocess.run(["podman", *global_args(), kind, "exists", name],
                            capture_output=True)  # fmt: skip
     return found.returncode == 0
 
@@ -184,8 +186,15 @@ def global_args() -> list[str]:
 def run_argv(container: Container, cwd: str, commands: tuple[str, ...]) -> list[str]:
     """`podman run` of the rank's commands, attached (its output is theirs); stdin carries the
     environment (`environment_script`)."""
+    entry = ["/bin/sh", "-c", _ENTRY, "orchestrator", container.status_file, *commands]
+    return [*_run(container, container.name, cwd, "-i"), container.image, *entry]
+
+
+def _run(container: Container, name: str, cwd: str, *flags: str) -> list[str]:
+    """`podman run` of the rank's container as its commands have it: network, init, limits,
+    binds; the image and what it runs follow."""
     argv = [
-        "podman", *global_args(), "run", "--rm", "-i", "--name", container.name,
+        "podman", *global_args(), "run", "--rm", *flags, "--name", name,
         "--network", "host", "--init", "--shm-size", str(SHM_BYTES), "--workdir", cwd,
         *_ulimits(),
     ]  # fmt: skip
@@ -196,17 +205,21 @@ def run_argv(container: Container, cwd: str, commands: tuple[str, ...]) -> list[
     for host, inside in container.binds:
         mode = "ro" if inside in container.read_only else "rw"
         argv += ["--volume", f"{host}:{inside}:{mode}"]
-    entry = ["/bin/sh", "-c", _ENTRY, "orchestrator", container.status_file, *commands]
-    return [*argv, container.image, *entry]
+    return argv
 
 
-def exec_argv(name: str, cwd: str, command: str) -> list[str]:
-    """`podman exec` of one shell command in the rank's running container (`orchestrator shell
-    -- CMD`), its environment on stdin as for the commands."""
-    return [
-        "podman", *global_args(), "exec", "-i", "--workdir", cwd, name,
-        "/bin/sh", "-c", '. /dev/stdin && exec /bin/sh -c "$1" </dev/null', "orchestrator", command,
-    ]  # fmt: skip
+_SHELL_COMMAND = '. /dev/stdin && exec /bin/sh -c "$1" </dev/null'
+
+
+def exec_argv(container: Container, cwd: str, command: str) -> list[str]:
+    """One shell command (`orchestrator shell -- CMD`), its environment on stdin as for the
+    commands: in the rank's container while the commands run, else (a held job's nodes, its
+    commands ended) in a new container of the image with the rank's binds."""
+    shell = ["/bin/sh", "-c", _SHELL_COMMAND, "orchestrator", command]
+    if exists(container.name, "container"):
+        return ["podman", *global_args(), "exec", "-i", "--workdir", cwd, container.name, *shell]
+    name = f"{container.name}-shell-{uuid.uuid4().hex[:8]}"
+    return [*_run(container, name, cwd, "-i"), container.image, *shell]
 
 
 # A terminal's shell in the container: the job's variables from fd 3, its pid (inside) to fd 4,
@@ -235,13 +248,19 @@ exit 0
 """
 
 
-def terminal_argv(name: str, cwd: str, term: str) -> list[str]:
-    """`podman exec -it` of an interactive shell in the rank's container, fds 3 and 4 passed in
-    (`_TERMINAL`)."""
-    return [
-        "podman", *global_args(), "exec", "-it", "--preserve-fds", "2", "--workdir", cwd, name,
-        "/bin/sh", "-c", _TERMINAL, "orchestrator", term,
-    ]  # fmt: skip
+def terminal_argv(container: Container, cwd: str, term: str) -> tuple[list[str], str]:
+    """An interactive shell, fds 3 and 4 passed in (`_TERMINAL`), and the container it runs in:
+    the rank's while its commands run (`podman exec -it`), else a new one of the image with the
+    rank's binds, gone with the shell."""
+    shell = ["/bin/sh", "-c", _TERMINAL, "orchestrator", term]
+    if exists(container.name, "container"):
+        return [
+            "podman", *global_args(), "exec", "-it", "--preserve-fds", "2", "--workdir", cwd,
+            container.name, *shell,
+        ], container.name  # fmt: skip
+    name = f"{container.name}-terminal-{uuid.uuid4().hex[:8]}"
+    argv = _run(container, name, cwd, "-it", "--preserve-fds", "2")
+    return [*argv, container.image, *shell], name
 
 
 def hang_up_argv(name: str, session: str, grace_s: float) -> list[str]:

@@ -22,8 +22,12 @@ import termios
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from orchestrator.node.podman import Container
 
 from orchestrator.node.secrets import SecretMasker, StreamMasker
 
@@ -49,7 +53,7 @@ class Terminal:
         cols: int,
         term: str,
         lost_after_s: float,
-        container: str | None = None,
+        container: Container | None = None,
     ) -> None:
         master, child_end = os.openpty()
         _set_size(master, rows, cols)
@@ -216,8 +220,9 @@ class _InContainer:
     goes in on a pipe (fd 3 inside), never on a command line; the shell says its pid inside on
     another (fd 4), which its hang-up needs, as podman's client ending leaves it running."""
 
-    def __init__(self, name: str, env: dict[str, str], cwd: str, term: str) -> None:
-        self.name, self.env, self.cwd, self.term = name, env, cwd, term
+    def __init__(self, container: Container, env: dict[str, str], cwd: str, term: str) -> None:
+        self.container, self.env, self.cwd, self.term = container, env, cwd, term
+        self.name = container.name  # the container the shell runs in, once started
         self.pid: str | None = None
 
     def start(self, child_end: int) -> subprocess.Popen:
@@ -236,9 +241,11 @@ class _InContainer:
             os.dup2(high[1], 4)
 
         try:
+            argv, self.name = podman.terminal_argv(
+                self.container, self.cwd, self.term or "xterm-256color"
+            )
             process = subprocess.Popen(
-                podman.terminal_argv(self.name, self.cwd, self.term or "xterm-256color"),
-                stdin=child_end, stdout=child_end, stderr=child_end, start_new_session=True,
+                argv, stdin=child_end, stdout=child_end, stderr=child_end, start_new_session=True,
                 preexec_fn=child, pass_fds=(3, 4),
             )  # fmt: skip
         finally:
