@@ -416,14 +416,16 @@ def test_jobs_and_ranks_asking_for_one_new_image_at_once_pull_it_once(
                             registry.log_text())  # fmt: skip
         # The new layer and the config, each once (the base layer was here already).
         assert len(served) == len(set(served)) == 2, served
-        said = [line.split("] ", 1)[-1] for job in jobs for line in job.logs()]
-        assert sum(f"image {image}: pulling it onto this node" in s for s in said) == 1, said
-        assert sum(f"image {image}: pulled in " in s for s in said) == 1
-        # The other two ranks waited for that pull, or came after it (the agents' workers start
-        # at their own pace).
-        waited = ("waiting for the pull of it another job or rank started", "on this node already")
-        assert sum(f"image {image}: {w}" in s for s in said for w in waited) == 2, said
-        assert sum(f"image {image}: Copying blob" in s for s in said) == 2  # podman's progress
+        # (job, "rank N", what it said) for each controller line about the image
+        said = [(job.id, *line.split("] ", 1)[-1].split(": ", 1)) for job in jobs
+                for line in job.logs() if f": image {image}: " in line]  # fmt: skip
+        pullers = {(j, rank) for j, rank, s in said if s.endswith(": pulling it onto this node")}
+        assert len(pullers) == 1 and sum(": pulled in " in s for *_, s in said) == 1, said
+        # The other two ranks found it there: after waiting for that pull, or coming after it
+        # (the agents' workers start at their own pace).
+        found = {(j, rank) for j, rank, s in said if s.endswith(": on this node already")}
+        assert len(found) == 2 and not found & pullers, said
+        assert sum(": Copying blob " in s for *_, s in said) == 2  # podman's progress lines
     finally:
         images.podman_cli("rmi", image)
 

@@ -8,13 +8,13 @@ rank's checkpoints while any is not yet in the storage root.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
 import queue
 import shutil
 import tarfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,16 +67,25 @@ class NodePreparer:
         Checkpoints to load land in `<folder>/rank-<their rank>/<their name>/`; Baseten's
         default folder becomes one private to this job on this node.
         """
-        pull: _Pull | None = None
         try:
             for name in request.secret_names:
                 resolve_secret(name, self.team)  # a missing secret fails the deploy, naming it
-            if request.image is not None:  # pulled while the rest is done
-                pull = self._pull(request.image)
-            prepared = self._prepare(request)
-            if pull is not None:
-                pull.wait()
-                self.image_digest = podman.image_digest(request.image.image)
+            if request.image is None:
+                return self._prepare(request)
+            # The pull and the rest at the same time; the first to fail fails the prepare at
+            # once (a refused password is not reported after minutes of weights).
+            pull = self._pull(request.image)
+            pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="prepare")
+            try:
+                futures = [pool.submit(pull), pool.submit(self._prepare, request)]
+                concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+                for future in futures:
+                    if future.done() and (error := future.exception()) is not None:
+                        raise error
+                prepared = futures[1].result()
+            finally:
+                pool.shutdown(wait=False)
+            self.image_digest = podman.image_digest(request.image.image)
             return prepared
         finally:
             self._pull_lines.put(None)
@@ -87,14 +96,15 @@ class NodePreparer:
             yield line
         self._pull_lines.put(None)  # for a second reader
 
-    def _pull(self, image: ImageRequest) -> _Pull:
+    def _pull(self, image: ImageRequest) -> Callable[[], object]:
+        """The pull, to run; its registry secret resolved now (a missing one fails at once)."""
         credentials = None
         if image.registry and image.secret_name:
             credentials = (image.registry, resolve_secret(image.secret_name, self.team))
         self._holds_image = True
-        return _Pull(lambda: ImageCache(alive=actor_alive).ensure(
+        return lambda: ImageCache(alive=actor_alive).ensure(
             image.image, self.holder[0], credentials, self._pull_lines.put
-        ))  # fmt: skip
+        )
 
     def _prepare(self, request: PrepareRequest) -> tuple[CacheSeeded | None, tuple[Delivery, ...]]:
         dirs = self.dirs
@@ -235,26 +245,6 @@ class NodePreparer:
         with contextlib.suppress(Exception):
             weight_cache_here().release.remote(self.holder[0])
         self._holds_weights = False
-
-
-class _Pull:
-    """`ensure` in a thread of its own: the image is pulled while the rest is prepared."""
-
-    def __init__(self, ensure: Callable[[], object]) -> None:
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(ensure,), daemon=True)
-        self.thread.start()
-
-    def _run(self, ensure: Callable[[], object]) -> None:
-        try:
-            ensure()
-        except BaseException as e:
-            self.error = e
-
-    def wait(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
 
 
 def _sha256(path: Path) -> str:
