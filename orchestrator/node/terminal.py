@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from orchestrator.node.secrets import SecretMasker, StreamMasker
+
 if TYPE_CHECKING:
     from orchestrator.node.podman import Container
-
-from orchestrator.node.secrets import SecretMasker, StreamMasker
 
 READ_CHUNK_BYTES = 64 * 1024
 READ_LIMIT_BYTES = 1 * 2**20  # per read call: a flood of output comes back in pieces
@@ -248,6 +248,10 @@ class _InContainer:
                 argv, stdin=child_end, stdout=child_end, stderr=child_end, start_new_session=True,
                 preexec_fn=child, pass_fds=(3, 4),
             )  # fmt: skip
+        except BaseException:
+            os.close(env_write)
+            os.close(pid_read)
+            raise
         finally:
             for fd in high:
                 os.close(fd)
@@ -265,8 +269,9 @@ class _InContainer:
         from orchestrator.node import podman
 
         if self.pid is not None:
-            subprocess.run(podman.hang_up_argv(self.name, self.pid, HANGUP_GRACE_S),
-                           capture_output=True, timeout=30)  # fmt: skip
+            with contextlib.suppress(subprocess.TimeoutExpired):  # podman hung: the host's part
+                subprocess.run(podman.hang_up_argv(self.name, self.pid, HANGUP_GRACE_S),
+                               capture_output=True, timeout=30)  # fmt: skip
 
 
 def _write_all(fd: int, data: bytes) -> None:
