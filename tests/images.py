@@ -37,6 +37,10 @@ def podman_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 def busybox_image(directory: Path) -> str:
+    """The image's name; built unless this machine already has it (a rebuild would leave the
+    last one behind, unnamed)."""
+    if podman_cli("image", "exists", BUSYBOX).returncode == 0:
+        return BUSYBOX
     rootfs = directory / "rootfs"
     _busybox_into(rootfs)
     _import(rootfs, BUSYBOX)
