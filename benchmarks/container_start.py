@@ -95,8 +95,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-containers-"))
-    if images.podman_cli("image", "exists", images.BUSYBOX).returncode != 0:
-        images.busybox_image(work / "busybox")
+    images.busybox_image(work / "busybox")  # unless the machine has it
     (work / "registry").mkdir()
     registry = Registry(work / "registry")
     try:

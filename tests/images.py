@@ -39,7 +39,7 @@ def podman_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def busybox_image(directory: Path) -> str:
     """The image's name; built unless this machine already has it (a rebuild would leave the
     last one behind, unnamed)."""
-    if podman_cli("image", "exists", BUSYBOX).returncode == 0:
+    if podman.exists(BUSYBOX):
         return BUSYBOX
     rootfs = directory / "rootfs"
     _busybox_into(rootfs)
@@ -50,7 +50,7 @@ def busybox_image(directory: Path) -> str:
 def python_image() -> str:
     """The image's name; built unless this machine already has it."""
     name = f"{PYTHON}:{_python_digest()}"
-    if podman_cli("image", "exists", name).returncode == 0:
+    if podman.exists(name):
         return name
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="python-image-") as directory:
         rootfs = Path(directory) / "rootfs"

@@ -545,3 +545,35 @@ def test_a_held_jobs_shell_runs_in_a_new_container_of_its_image_with_the_ranks_f
     assert job.details().failure.exit_code == 7
     left = images.podman_cli("ps", "-a", "--format", "{{.Names}}").stdout.split()
     assert not [n for n in left if n.startswith(name)], left  # none of its shells' containers
+
+
+def test_an_image_found_on_the_node_is_held_before_another_job_can_remove_it(
+    registry, tmp_path, monkeypatch
+):
+    """Job A finds its image here; another job's pull, with no room, runs its eviction right
+    then (the moment is forced: A's existence check runs it). A's image stays."""
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registry.registries_conf))
+    a, b = (registry.push(IMAGE, f"race/{n}:1") for n in "ab")
+    size = images.podman_cli("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout
+    login = (registry.address, f"{REGISTRY_USER}:{REGISTRY_PASSWORD}")
+    cache = ImageCache(tmp_path / "images", budget_bytes=int(size) + 1000)
+    try:
+        cache.ensure(a, "agent-a", login)
+        cache.release("agent-a")  # a is here, held by no job: the first to go for room
+        checked = podman.exists
+
+        def other_job_pulls_then(name: str, kind: str = "image") -> bool:
+            found = checked(name, kind)
+            if name == a:
+                monkeypatch.setattr(podman, "exists", checked)
+                assert cache.ensure(b, "agent-b", login) == []  # a is held: nothing to remove
+            return found
+
+        monkeypatch.setattr(podman, "exists", other_job_pulls_then)
+        said: list[str] = []
+        cache.ensure(a, "agent-a2", login, said.append)
+        assert f"image {a}: on this node already" in said
+        assert podman.exists(a) and podman.exists(b)
+    finally:
+        for name in (a, b):
+            images.podman_cli("rmi", name)

@@ -50,6 +50,8 @@ class ImageCache:
         with _locked(self.directory / f"pull-{key}.lock", lambda: say(
             f"image {image}: waiting for the pull of it another job or rank started here"
         )):  # fmt: skip
+            # Held before it is looked for: another job's eviction never takes it in between.
+            self._hold(image, holder)
             pulled = not podman.exists(image)
             if pulled:
                 say(f"image {image}: pulling it onto this node")
@@ -59,15 +61,25 @@ class ImageCache:
             else:
                 say(f"image {image}: on this node already")
             with self._state() as state:
-                entry = state.setdefault(image, {"pulled": pulled, "holders": []})
-                entry["last_used"] = time.time()
-                entry["holders"] = sorted({*entry["holders"], holder})
+                entry = self._hold(image, holder, state)  # again: an eviction may have dropped it
+                entry["pulled"] = entry["pulled"] or pulled
                 # Only a pull adds to what the images hold.
                 removed = self._evict(state, keep=image) if pulled else []
         if removed:
             say(f"images removed from this node for room (least recently used, no job's): "
                 f"{', '.join(removed)}")  # fmt: skip
         return removed
+
+    def _hold(self, image: str, holder: str, state: dict[str, dict] | None = None) -> dict:
+        """`holder` among the image's holders, its last use now; its entry in `state` (else in
+        images.json, under its lock)."""
+        if state is None:
+            with self._state() as stored:
+                return self._hold(image, holder, stored)
+        entry = state.setdefault(image, {"pulled": False, "holders": []})
+        entry["last_used"] = time.time()
+        entry["holders"] = sorted({*entry["holders"], holder})
+        return entry
 
     def release(self, holder: str) -> None:
         with self._state() as state:
