@@ -31,7 +31,9 @@ from ray.autoscaler._private.resource_demand_scheduler import (
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from orchestrator import definitions as d
+from orchestrator import settings
 from orchestrator.client.submit import SCHEDULING_TIMEOUT_ENV
+from orchestrator.node.gpus import CDI_DIRS
 from orchestrator.node.secrets import secret_env_name
 from orchestrator.spec.accelerators import Accelerator
 from orchestrator.spec.placement import (
@@ -264,5 +266,21 @@ def test_every_ray_start_gets_the_storage_root_path_and_secrets(
     assert seen["PATH"].split(os.pathsep)[0] == str(venv_bin)
     assert float(seen[SCHEDULING_TIMEOUT_ENV]) >= 600
     assert seen[secret] == "not-a-real-token"
+    assert seen[settings.JOB_RUNTIME.name] == "container"
     assert (home / "ray-stop.env").exists()
     assert ". ~/orchestrator.env" in (home / ".bashrc").read_text()
+
+
+def test_every_node_gets_podman_and_a_cdi_spec_of_its_gpus_where_it_has_some(
+    raw: dict[str, Any],
+) -> None:
+    """Container mode's needs (node/podman.py, node/gpus.py): podman on every node, before Ray
+    starts, and on a GPU node the CDI spec of its GPUs where podman reads specs."""
+    setup = raw["setup_commands"]
+    (install,) = [c for c in setup if "apt-get install" in c]
+    assert "podman" in shlex.split(install.replace("(", " ").replace(")", " "))
+    (cdi,) = [c for c in setup if "nvidia-ctk cdi generate" in c]
+    output = re.search(r"--output=(\S+)", cdi)
+    assert output and str(Path(output.group(1)).parent) in CDI_DIRS
+    assert "nvidia-smi" in cdi  # a CPU node (no GPU) skips it rather than failing its setup
+

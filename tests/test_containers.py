@@ -237,11 +237,17 @@ def test_a_private_image_is_pulled_with_its_registry_secret_before_the_commands(
     images.podman_cli("rmi", image)  # what this test pulled
 
 
-def test_a_gpu_job_is_refused_in_a_container_saying_so(container_cluster, tmp_path):
+def test_a_gpu_job_on_a_node_that_cannot_give_its_gpu_fails_the_deploy_saying_what_lacks(
+    container_cluster, tmp_path
+):
+    """The node declares a GPU to Ray but has no CDI spec and no /dev/nvidia0 (what a node
+    without the driver, or with another vendor's, looks like): the deploy ends, naming both."""
     job = push(image_job(tmp_path / "job", ["echo never"], accelerator="H100:1"),
                address=container_cluster, storage_root=str(tmp_path / "storage"))  # fmt: skip
     assert job.wait(timeout=120) == JobState.DEPLOY_FAILED
-    assert "GPUs in a job's container are not supported yet" in job.details().failure.cause
+    cause = job.details().failure.cause
+    assert "no CDI spec of nvidia.com/gpu" in cause and "/dev/nvidia0" in cause, cause
+    assert "Traceback" not in cause
 
 
 def test_a_command_killed_for_memory_says_so_with_the_limit(container_cluster, tmp_path):

@@ -141,8 +141,9 @@ class CommandRunner:
         subprocess.run(podman.remove_argv(container.name), capture_output=True)
         self._container_pid = None
         digest = container.digest or "its digest unknown"
+        gpus = f", with {', '.join(container.devices)}" if container.devices else ""
         yield from _items([self._tag(
-            f"the commands run in a container of {container.image} ({digest})", False
+            f"the commands run in a container of {container.image} ({digest}){gpus}", False
         )])  # fmt: skip
         Path(container.status_file).unlink(missing_ok=True)
         cleanup = json.dumps(podman.remove_argv(container.name))

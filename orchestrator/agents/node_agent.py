@@ -127,7 +127,7 @@ class NodeAgent:
         job_env = {**cache_env, **request.env, **group_env, **values}
         container = self._container(request.container)
         if container is not None:  # the image's own environment, and the job's: none of ours
-            full_env = job_env
+            full_env = {**job_env, **self.preparer.gpus.env}  # its GPUs, numbered from 0
         else:
             full_env = {**node_env, **job_env}
             # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.
@@ -152,10 +152,12 @@ class NodeAgent:
         if request is None:
             return None
         binds, read_only = self.preparer.binds()
+        gpus = self.preparer.gpus
         return Container(
             name=self.actor_name, image=request.image, status_file=str(self.dirs.base / "failed"),
-            binds=tuple(binds), read_only=tuple(read_only), memory_bytes=request.memory_bytes,
-            cpus=request.cpus, digest=self.preparer.image_digest,
+            binds=(*binds, *gpus.binds), read_only=(*read_only, *(i for _, i in gpus.binds)),
+            memory_bytes=request.memory_bytes, cpus=request.cpus,
+            digest=self.preparer.image_digest, devices=gpus.devices,
         )  # fmt: skip
 
     def _start_sampling(self, request: MetricsRequest) -> None:

@@ -30,6 +30,7 @@ from orchestrator.agents.messages import (
 )
 from orchestrator.agents.services import actor_alive
 from orchestrator.node import podman
+from orchestrator.node.gpus import GpuAccess, gpu_access
 from orchestrator.node.image_cache import ImageCache
 from orchestrator.node.node_root import RankDirs
 from orchestrator.node.secrets import resolve_secret
@@ -58,6 +59,7 @@ class NodePreparer:
         self._download_folder: Path | None = None  # where checkpoints to load were put
         self._holds_image = False  # asked this node's image cache for the job's image
         self.image_digest: str | None = None  # what the image's name was here when prepared
+        self.gpus = GpuAccess()  # what the container is given of the rank's GPUs
         self._pull_lines: queue.Queue[str | None] = queue.Queue()
 
     def prepare(self, request: PrepareRequest) -> tuple[CacheSeeded | None, tuple[Delivery, ...]]:
@@ -72,6 +74,7 @@ class NodePreparer:
                 resolve_secret(name, self.team)  # a missing secret fails the deploy, naming it
             if request.image is None:
                 return self._prepare(request)
+            self.gpus = gpu_access(_ray_gpu_ids())  # before the pull: a node without them fails now
             # The pull and the rest at the same time; the first to fail fails the prepare at
             # once (a refused password is not reported after minutes of weights).
             pull = self._pull(request.image)
@@ -245,6 +248,13 @@ class NodePreparer:
         with contextlib.suppress(Exception):
             weight_cache_here().release.remote(self.holder[0])
         self._holds_weights = False
+
+
+def _ray_gpu_ids() -> list[str]:
+    """The node's GPUs Ray gave this rank (its indices), none outside Ray."""
+    import ray
+
+    return [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
 
 
 def _sha256(path: Path) -> str:

@@ -150,9 +150,6 @@ class JobController:
         if use_image_uri():
             return (f"{settings.JOB_RUNTIME.name}=container and {IMAGE_URI_ENV}=1 are both set "
                     "on this cluster: choose one")  # fmt: skip
-        if job.compute.gpus_per_node:
-            return ("GPUs in a job's container are not supported yet: run GPU jobs on a cluster "
-                    f"with {settings.JOB_RUNTIME.name}=host")  # fmt: skip
         auth = job.image.docker_auth
         if auth is not None and auth.registry_secret_docker_auth is None:
             method = getattr(auth.auth_method, "value", auth.auth_method)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator import settings
+from orchestrator.node.gpus import DRIVER_DIR
 
 # The container's main process: reads the job's variables from stdin, then runs each command
 # ($2...) through its own shell, in order, stopping at the first that fails; it writes that
@@ -37,7 +38,12 @@ from orchestrator import settings
 # the container (`signal_all_argv`): this shell notes it and waits for the command, which saves
 # and ends as on the host; were it to die first, the container's init would end and take the
 # command along.
+_DRIVER_PATHS = (  # the driver's files node/gpus.py binds where a node has no CDI spec
+    f'if [ -d {DRIVER_DIR}/lib64 ]; then export PATH="$PATH:{DRIVER_DIR}/bin" '
+    f'LD_LIBRARY_PATH="{DRIVER_DIR}/lib64${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"; fi'
+)
 _ENTRY = """. /dev/stdin || exit 125
+DRIVER_PATHS
 trap 'stopping=1' TERM
 status=$1
 shift
@@ -60,7 +66,7 @@ for command in "$@"; do
     if [ "$code" -ne 0 ]; then echo "$i $(oom_kills)" > "$status"; exit "$code"; fi
     i=$((i + 1))
 done
-"""
+""".replace("DRIVER_PATHS", _DRIVER_PATHS)
 SHM_BYTES = 1 << 30  # /dev/shm: data loaders' workers pass batches through it (podman's is 64 MiB)
 
 
@@ -76,6 +82,7 @@ class Container:
     memory_bytes: int | None = None
     cpus: float | None = None
     digest: str | None = None  # the image's, as the node had it when prepared
+    devices: tuple[str, ...] = ()  # --device: the rank's GPUs (node/gpus.py)
 
 
 class ImagePullFailed(RuntimeError):
@@ -202,13 +209,15 @@ def _run(container: Container, name: str, cwd: str, *flags: str) -> list[str]:
         argv += ["--memory", str(container.memory_bytes)]
     if container.cpus:
         argv += ["--cpus", f"{container.cpus:g}"]
+    for device in container.devices:
+        argv += ["--device", device]
     for host, inside in container.binds:
         mode = "ro" if inside in container.read_only else "rw"
         argv += ["--volume", f"{host}:{inside}:{mode}"]
     return argv
 
 
-_SHELL_COMMAND = '. /dev/stdin && exec /bin/sh -c "$1" </dev/null'
+_SHELL_COMMAND = f'. /dev/stdin && {{ {_DRIVER_PATHS}; exec /bin/sh -c "$1" </dev/null; }}'
 
 
 def exec_argv(container: Container, cwd: str, command: str) -> list[str]:
@@ -225,13 +234,14 @@ def exec_argv(container: Container, cwd: str, command: str) -> list[str]:
 # A terminal's shell in the container: the job's variables from fd 3, its pid (inside) to fd 4,
 # then bash if the image has it, else sh.
 _TERMINAL = """. /dev/fd/3 || exit 125
+DRIVER_PATHS
 exec 3<&-
 echo $$ >&4
 exec 4>&-
 export SHELL=/bin/sh TERM="$1"
 [ -x /bin/bash ] && SHELL=/bin/bash
 exec "$SHELL" -i
-"""
+""".replace("DRIVER_PATHS", _DRIVER_PATHS)
 # The terminal's hang-up: SIGHUP to each process of session $1, SIGKILL to those left after $2 s.
 _HANG_UP = """members() {
     for d in /proc/[0-9]*; do
