@@ -283,4 +283,3 @@ def test_every_node_gets_podman_and_a_cdi_spec_of_its_gpus_where_it_has_some(
     output = re.search(r"--output=(\S+)", cdi)
     assert output and str(Path(output.group(1)).parent) in CDI_DIRS
     assert "nvidia-smi" in cdi  # a CPU node (no GPU) skips it rather than failing its setup
-
