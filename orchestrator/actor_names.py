@@ -23,6 +23,11 @@ def training_cache_seeder(node_id: str) -> str:
     return f"orchestrator-cache-seeder-{node_id[:16]}"
 
 
+def image_puller(node_id: str) -> str:
+    """The image puller of one node (jobs' images, pulled as their nodes are chosen)."""
+    return f"orchestrator-image-puller-{node_id[:16]}"
+
+
 def node_agent(job_id: str, rank: int) -> str:
     """A job's agent on the node of `rank`."""
     return f"orchestrator-{job_id}-rank-{rank}"

@@ -426,10 +426,12 @@ def test_jobs_and_ranks_asking_for_one_new_image_at_once_pull_it_once(
                 for line in job.logs() if f": image {image}: " in line]  # fmt: skip
         pullers = {(j, rank) for j, rank, s in said if s.endswith(": pulling it onto this node")}
         assert len(pullers) == 1 and sum(": pulled in " in s for *_, s in said) == 1, said
-        # The other two ranks found it there: after waiting for that pull, or coming after it
-        # (the agents' workers start at their own pace).
+        # Every other rank found it there: after waiting for that pull, or coming after it (the
+        # node's puller and the agents' workers start at their own pace). The rank whose
+        # puller pulled finds it too, unless its agent came first and pulled itself.
         found = {(j, rank) for j, rank, s in said if s.endswith(": on this node already")}
-        assert len(found) == 2 and not found & pullers, said
+        ranks = {(jobs[0].id, "rank 0"), (jobs[0].id, "rank 1"), (jobs[1].id, "rank 0")}
+        assert ranks - pullers <= found, said
         assert sum(": Copying blob " in s for *_, s in said) == 2  # podman's progress lines
     finally:
         images.podman_cli("rmi", image)

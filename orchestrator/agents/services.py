@@ -32,12 +32,13 @@ def actor_alive(name: str) -> bool:
 
 
 def shared_actor(
-    cls: type, name: str, *, pinned_here: bool, max_concurrency: int, args: tuple = (),
-    max_restarts: int = 0,
+    cls: type, name: str, *, max_concurrency: int, pinned_here: bool = False,
+    on_node: str | None = None, args: tuple = (), max_restarts: int = 0,
 ) -> Any:  # fmt: skip
     """The detached actor `name` of class `cls`, started if it is not running.
 
-    `pinned_here` keeps it on the caller's node: for actors that look after that node's disk.
+    `pinned_here` keeps it on the caller's node, `on_node` on that one: for actors that look
+    after a node's disk.
     `max_restarts`: how often Ray starts it again when its process dies (-1: always).
     """
     import ray
@@ -52,6 +53,6 @@ def shared_actor(
         "max_concurrency": max_concurrency,
         "max_restarts": max_restarts,
     }
-    if pinned_here:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(this_node_id(), soft=False)
+    if node := on_node or (this_node_id() if pinned_here else None):
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
     return ray.remote(cls).options(**options).remote(*args)

@@ -21,8 +21,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import actor_names, ray_private, settings
 from orchestrator.agents.command_runner import STREAM_BACKLOG
+from orchestrator.agents.image_puller import image_puller
 from orchestrator.agents.messages import (
     CacheWrittenBack,
+    ImageRequest,
     OutputLines,
     PreparedNode,
     PrepareRequest,
@@ -206,6 +208,8 @@ class RayNodeGroup:
         ranks: list[int] | None = None,
     ) -> list[PreparedNode]:
         ranks = list(range(len(self.agents))) if ranks is None else ranks
+        if request.image is not None:  # started first: it pulls while the agents' workers start
+            self._pull_early(request.image, ranks)
         refs = [self.agents[rank].prepare.remote(request) for rank in ranks]
         if request.image is not None:  # the pull's lines, as they come, while it prepares
             for rank in ranks:
@@ -223,6 +227,23 @@ class RayNodeGroup:
             raise error(f"preparing the node failed: {short_error(e)}") from e
         self.node_ids.update({p.rank: p.node_id for p in prepared})
         return prepared
+
+    def _pull_early(self, image: ImageRequest, ranks: list[int]) -> None:
+        """Each node's puller pulls `image` for the first of `ranks` placed there, now; its
+        lines are said as that rank's. Without a puller the agents pull it themselves."""
+        first: dict[str, int] = {}
+        for rank, node_id in enumerate(self.placed_nodes()):
+            if rank in ranks:
+                first.setdefault(node_id, rank)
+        for node_id, rank in first.items():
+            try:
+                stream = image_puller(node_id).pull.options(num_returns="streaming").remote(
+                    image.image, agent_name(self.record.job_id, rank), image.registry,
+                    image.secret_name, self.record.team,
+                )  # fmt: skip
+            except Exception:  # the agent pulls it, saying why if it cannot
+                continue
+            threading.Thread(target=self._say_pull, args=(rank, stream), daemon=True).start()
 
     def _say_pull(self, rank: int, stream: Any) -> None:
         with contextlib.suppress(Exception):  # the agent is gone: prepare says what happened

@@ -48,7 +48,7 @@ class ImageCache:
         room. Pulled here unless it is here already; a pull another job started is waited for."""
         key = hashlib.sha256(image.encode()).hexdigest()[:24]
         with _locked(self.directory / f"pull-{key}.lock", lambda: say(
-            f"image {image}: waiting for the pull of it another job or rank started here"
+            f"image {image}: waiting for the pull of it under way on this node"
         )):  # fmt: skip
             # Held before it is looked for: another job's eviction never takes it in between.
             self._hold(image, holder)

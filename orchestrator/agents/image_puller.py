@@ -1,0 +1,55 @@
+"""A node's image puller: a job's image pulled onto each of its nodes as soon as they are
+chosen, while the job's agents' workers start there, not after.
+
+One per node, started on first use and kept (as the weight cache is), so a node's later jobs do
+not wait for its worker to start either. It pulls through the node's image cache
+(node/image_cache.py), on behalf of the agent that will run there: the agent's own prepare then
+finds the image, or waits on the pull under way. A pull that fails is not said here: the agent's
+prepare tries it and fails the deploy, naming the image and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from orchestrator import actor_names
+from orchestrator.agents.services import actor_alive, shared_actor
+from orchestrator.node import podman
+from orchestrator.node.image_cache import ImageCache
+from orchestrator.node.secrets import resolve_secret
+
+
+class ImagePuller:
+    def pull(
+        self, image: str, holder: str, registry: str | None = None,
+        secret_name: str | None = None, team: str | None = None,
+    ) -> Iterator[str]:  # fmt: skip
+        """`image` onto this node for `holder` (the agent that will run there), saying the
+        pull's lines as they come; nothing if the node has it."""
+        if podman.exists(image):
+            return
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def pull() -> None:
+            try:
+                with contextlib.suppress(Exception):  # the agent's prepare says why
+                    credentials = None
+                    if registry and secret_name:
+                        credentials = (registry, resolve_secret(secret_name, team))
+                    ImageCache(alive=actor_alive).ensure(image, holder, credentials, lines.put)
+            finally:
+                lines.put(None)
+
+        threading.Thread(target=pull, name="image-pull", daemon=True).start()
+        while (line := lines.get()) is not None:
+            yield line
+
+
+def image_puller(node_id: str) -> Any:
+    """The puller of node `node_id`, started there if it is not running."""
+    name = actor_names.image_puller(node_id)
+    return shared_actor(ImagePuller, name, on_node=node_id, max_concurrency=16)
