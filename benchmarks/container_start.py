@@ -10,7 +10,8 @@ mode; each is warmed with one job, then runs N jobs of `echo FIRST-LINE`:
   same job on the host: the aim is container ≤ host + 0.5 s.
 - a cold pull: an image with a 60 MB layer, in a registry on 127.0.0.1 with a password, removed
   from the node before each job; DEPLOYING → RUNNING against a bare `podman pull` of the same
-  image (also cold) just before: the aim is ≤ the pull + 1 s.
+  image (also cold) just before, and against the longer of that pull and the deploy with the
+  image cached (the pull overlaps the rest of the deploy): the aim is ≤ that + 1 s.
 """
 
 from __future__ import annotations
@@ -175,6 +176,10 @@ def run(runs: int, work: Path, registry: Registry, cold: str) -> None:
     print(f"bare podman pull (cold, 60 MB layer): {med(pulls):.3f} s ({min(pulls):.3f})")
     print(f"DEPLOYING -> RUNNING, cold pull:     {med(deploys):.3f} s ({min(deploys):.3f})  "
           f"+{med(deploys) - med(pulls):.3f} s over the pull")  # fmt: skip
+    # The pull overlaps the rest of the deploy (the agent's start, code, caches, weights): what
+    # a cold job adds is its time beyond the longer of the two.
+    longer = max(med(pulls), med(cached_deploys))
+    print(f"  +{med(deploys) - longer:.3f} s over the longer of the pull and the cached deploy")
 
 
 if __name__ == "__main__":

@@ -178,6 +178,15 @@ def test_a_stop_reaches_the_command_in_its_container_which_saves_and_no_secret_s
     here = Path(__file__).resolve().parent
     code, output = job.exec(f"test -e {here} || echo no host paths; echo token $TOKEN")
     assert (code, output) == (0, "no host paths\ntoken *****\n")
+    # One that runs past its time ends, and so does what it started in the container.
+    code, _ = job.exec("sleep 3131 & sleep 3132", timeout_s=3)
+    assert code == 124
+
+    def left() -> list[str]:
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        return [line for line in ps.splitlines() if line.startswith("sleep 313")]
+
+    eventually(lambda: not left(), "the timed-out command's processes gone", 30)
 
     assert job.stop(timeout=60) == JobState.STOPPED
     printed = [line.split("] ", 1)[-1] for line in job.logs()]

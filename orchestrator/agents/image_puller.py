@@ -11,6 +11,7 @@ prepare tries it and fails the deploy, naming the image and why.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -24,13 +25,22 @@ from orchestrator.node.secrets import resolve_secret
 
 
 class ImagePuller:
+    def __init__(self) -> None:
+        # Image -> the directory of its top layer, for the images found here: while it exists,
+        # the image is taken to be here without asking podman, whose start costs CPU the
+        # agents' starting workers want (the agent's own prepare asks podman anyway).
+        self._found: dict[str, str] = {}
+
     def pull(
         self, image: str, holder: str, registry: str | None = None,
         secret_name: str | None = None, team: str | None = None,
     ) -> Iterator[str]:  # fmt: skip
         """`image` onto this node for `holder` (the agent that will run there), saying the
         pull's lines as they come; nothing if the node has it."""
+        if (layer := self._found.get(image)) and os.path.isdir(layer):
+            return
         if podman.exists(image):
+            self._remember(image)
             return
         lines: queue.Queue[str | None] = queue.Queue()
 
@@ -41,12 +51,17 @@ class ImagePuller:
                     if registry and secret_name:
                         credentials = (registry, resolve_secret(secret_name, team))
                     ImageCache(alive=actor_alive).ensure(image, holder, credentials, lines.put)
+                    self._remember(image)
             finally:
                 lines.put(None)
 
         threading.Thread(target=pull, name="image-pull", daemon=True).start()
         while (line := lines.get()) is not None:
             yield line
+
+    def _remember(self, image: str) -> None:
+        if (layer := podman.storage_dir(image)) != "/":
+            self._found[image] = layer
 
 
 def image_puller(node_id: str) -> Any:

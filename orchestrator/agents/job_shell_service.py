@@ -47,11 +47,13 @@ class JobShellService:
         secrets masked."""
         env, cwd, mask = self._started()
         script: bytes | None = None  # in the rank's container: its environment on stdin
+        shell: podman.ShellCommand | None = None
         if self._container is not None:
             script = podman.environment_script(env)
+            shell = podman.exec_argv(self._container, cwd, command)
             process = subprocess.Popen(
-                podman.exec_argv(self._container, cwd, command), stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True,
+                shell.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE, start_new_session=True,
             )  # fmt: skip
         else:
             process = subprocess.Popen(
@@ -62,10 +64,17 @@ class JobShellService:
             out, _ = process.communicate(input=script, timeout=timeout_s)
             code = process.returncode
         except subprocess.TimeoutExpired:
+            # In a container, what the command started is not the podman client's: end it there.
+            if shell is not None and (end := podman.end_shell_argv(shell)) is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    subprocess.run(end, capture_output=True, timeout=30)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             out, _ = process.communicate()
             code = SHELL_TIMEOUT_EXIT
+        finally:
+            if shell is not None:
+                shell.pid_file.unlink(missing_ok=True)
         text = out[-SHELL_OUTPUT_BYTES:].decode(errors="replace")
         return ShellResult(code, "".join(map(mask, text.splitlines(keepends=True))))
 

@@ -208,10 +208,12 @@ class RayNodeGroup:
         ranks: list[int] | None = None,
     ) -> list[PreparedNode]:
         ranks = list(range(len(self.agents))) if ranks is None else ranks
-        if request.image is not None:  # started first: it pulls while the agents' workers start
-            self._pull_early(request.image, ranks)
         refs = [self.agents[rank].prepare.remote(request) for rank in ranks]
         if request.image is not None:  # the pull's lines, as they come, while it prepares
+            # The nodes' pullers pull it while the agents' workers start (a thread: the agents'
+            # prepares wait on nothing of it).
+            threading.Thread(target=self._pull_early, args=(request.image, ranks), daemon=True,
+                             name="pull-early").start()  # fmt: skip
             for rank in ranks:
                 stream = self.agents[rank].pull_progress.options(num_returns="streaming").remote()
                 threading.Thread(target=self._say_pull, args=(rank, stream), daemon=True).start()

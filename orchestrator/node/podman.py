@@ -217,18 +217,69 @@ def _run(container: Container, name: str, cwd: str, *flags: str) -> list[str]:
     return argv
 
 
-_SHELL_COMMAND = f'. /dev/stdin && {{ {_DRIVER_PATHS}; exec /bin/sh -c "$1" </dev/null; }}'
+_SHELL_COMMAND = (  # its pid (inside) to $2, then the command
+    f'. /dev/stdin && {{ {_DRIVER_PATHS}; echo $$ > "$2"; exec /bin/sh -c "$1" </dev/null; }}'
+)
 
 
-def exec_argv(container: Container, cwd: str, command: str) -> list[str]:
+@dataclass(frozen=True)
+class ShellCommand:
+    """`orchestrator shell -- CMD` in the container: its argv, the container it runs in, and
+    whether that container is its own (a held job's: removed to end it)."""
+
+    argv: list[str]
+    name: str
+    own_container: bool
+    pid_file: Path  # the command's pid inside, once it runs
+
+
+def exec_argv(container: Container, cwd: str, command: str) -> ShellCommand:
     """One shell command (`orchestrator shell -- CMD`), its environment on stdin as for the
     commands: in the rank's container while the commands run, else (a held job's nodes, its
     commands ended) in a new container of the image with the rank's binds."""
-    shell = ["/bin/sh", "-c", _SHELL_COMMAND, "orchestrator", command]
+    pid_file = Path(container.status_file).parent / f"shell-{uuid.uuid4().hex[:8]}.pid"
+    shell = ["/bin/sh", "-c", _SHELL_COMMAND, "orchestrator", command, str(pid_file)]
     if exists(container.name, "container"):
-        return ["podman", *global_args(), "exec", "-i", "--workdir", cwd, container.name, *shell]
+        argv = ["podman", *global_args(), "exec", "-i", "--workdir", cwd, container.name, *shell]
+        return ShellCommand(argv, container.name, False, pid_file)
     name = f"{container.name}-shell-{uuid.uuid4().hex[:8]}"
-    return [*_run(container, name, cwd, "-i"), container.image, *shell]
+    argv = [*_run(container, name, cwd, "-i"), container.image, *shell]
+    return ShellCommand(argv, name, True, pid_file)
+
+
+# Kill process $1 and every process descended from it (by parent pid), again while new ones
+# appear: what a shell command that ran past its time left in the rank's container.
+_KILL_TREE = """for round in 1 2 3 4 5; do
+    pids=" $1 " grew=1
+    while [ -n "$grew" ]; do
+        grew=
+        for d in /proc/[0-9]*; do
+            case "$pids" in *" ${d#/proc/} "*) continue ;; esac
+            read -r line < "$d/stat" 2>/dev/null || continue
+            set -- "$1" ${line##*) }
+            case "$pids" in *" $3 "*) pids="$pids${d#/proc/} " grew=1 ;; esac
+        done
+    done
+    alive=
+    for p in $pids; do [ -d "/proc/$p" ] && alive="$alive $p"; done
+    [ -z "$alive" ] && exit 0
+    kill -s KILL $alive 2>/dev/null
+    sleep 0.1
+done
+"""
+
+
+def end_shell_argv(shell: ShellCommand) -> list[str] | None:
+    """What ends the shell command and all it started inside, as a timeout on the host kills
+    its process group; None before it ran (its pid unknown)."""
+    if shell.own_container:
+        return remove_argv(shell.name)
+    try:
+        pid = int(shell.pid_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return ["podman", *global_args(), "exec", shell.name, "/bin/sh", "-c", _KILL_TREE,
+            "orchestrator", str(pid)]  # fmt: skip
 
 
 # A terminal's shell in the container: the job's variables from fd 3, its pid (inside) to fd 4,
