@@ -127,7 +127,8 @@ class NodeAgent:
         job_env = {**cache_env, **request.env, **group_env, **values}
         container = self._container(request.container)
         if container is not None:  # the image's own environment, and the job's: none of ours
-            full_env = {**job_env, **self.preparer.gpus.env}  # its GPUs, numbered from 0
+            # Its GPUs numbered from 0; a CUDA_VISIBLE_DEVICES the job sets wins, as on the host.
+            full_env = {**self.preparer.gpus.env, **job_env}
         else:
             full_env = {**node_env, **job_env}
             # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.

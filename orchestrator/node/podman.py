@@ -247,25 +247,22 @@ def exec_argv(container: Container, cwd: str, command: str) -> ShellCommand:
     return ShellCommand(argv, name, True, pid_file)
 
 
-# Kill process $1 and every process descended from it (by parent pid), again while new ones
-# appear: what a shell command that ran past its time left in the rank's container.
-_KILL_TREE = """for round in 1 2 3 4 5; do
-    pids=" $1 " grew=1
-    while [ -n "$grew" ]; do
-        grew=
-        for d in /proc/[0-9]*; do
-            case "$pids" in *" ${d#/proc/} "*) continue ;; esac
-            read -r line < "$d/stat" 2>/dev/null || continue
-            set -- "$1" ${line##*) }
-            case "$pids" in *" $3 "*) pids="$pids${d#/proc/} " grew=1 ;; esac
-        done
+# Kill process $1 and every process descended from it (by parent pid): what a shell command
+# that ran past its time left in the rank's container. Each found is stopped before the next
+# look, so none can fork unseen; all are killed once a look finds no new one.
+_KILL_TREE = """pids=" $1 " grew=1
+while [ -n "$grew" ]; do
+    grew=
+    kill -s STOP $pids 2>/dev/null
+    for d in /proc/[0-9]*; do
+        case "$pids" in *" ${d#/proc/} "*) continue ;; esac
+        read -r line < "$d/stat" 2>/dev/null || continue
+        set -- "$1" ${line##*) }
+        case "$pids" in *" $3 "*) pids="$pids${d#/proc/} " grew=1 ;; esac
     done
-    alive=
-    for p in $pids; do [ -d "/proc/$p" ] && alive="$alive $p"; done
-    [ -z "$alive" ] && exit 0
-    kill -s KILL $alive 2>/dev/null
-    sleep 0.1
 done
+kill -s KILL $pids 2>/dev/null
+exit 0
 """
 
 
