@@ -67,8 +67,9 @@ def test_push_view_logs_and_stop_the_most_recent_job(tmp_path, storage_root):
     assert detail["dashboard_url"].startswith("http://127.0.0.1:")
     shown = cli("view", "--job-id", job_id, "--storage-root", storage_root).stdout
     assert detail["dashboard_url"] in shown.replace("\n", "")
-    assert detail["runtime"] == "host (each node's own environment)"
-    assert "runtime" in shown and "host (each node's own environment)" in shown
+    host = "host (each node's own environment; trusted code)"
+    assert detail["runtime"] == host
+    assert "runtime" in shown and host in shown
 
     logs = cli("logs", "--storage-root", storage_root)
     assert f"using the most recent job, {job_id}" in logs.stdout

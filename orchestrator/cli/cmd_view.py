@@ -161,7 +161,7 @@ def _runtime(record: JobRecord, details: JobStatus) -> str | None:
         return None
     digests = sorted({n.image_digest for n in details.nodes if n.image_digest})
     if not digests:
-        return "host (each node's own environment)"
+        return "host (each node's own environment; trusted code)"
     return f"container of {record.spec.job.image.base_image} ({', '.join(digests)})"
 
 

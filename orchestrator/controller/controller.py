@@ -138,8 +138,10 @@ class JobController:
         if use_image_uri():
             return f"image {image}: each node runs the job in that container (Ray image_uri)"
         return (
-            f"image {image} is recorded; this cluster runs jobs in each node's own environment "
-            f"(set {IMAGE_URI_ENV}=1 on a cluster with a container runtime to use it)"
+            f"image {image} is recorded; this cluster runs jobs in each node's own environment, "
+            "as trusted code: their commands can reach the cluster and read what Ray's user can "
+            f"on the node (set {settings.JOB_RUNTIME.name}=container on a cluster with podman "
+            "to run them in the image; docs/secrets.md)"
         )
 
     def _runtime_problem(self) -> str | None:
