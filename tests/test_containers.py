@@ -28,6 +28,7 @@ from ray.util.state import list_actors
 from registry import REGISTRY_PASSWORD, REGISTRY_USER, Registry
 
 from orchestrator import actor_names
+from orchestrator.agents.image_puller import ImagePuller
 from orchestrator.client.api import push
 from orchestrator.lifecycle import JobState
 from orchestrator.node import podman
@@ -187,6 +188,9 @@ def test_a_stop_reaches_the_command_in_its_container_which_saves_and_no_secret_s
         return [line for line in ps.splitlines() if line.startswith("sleep 313")]
 
     eventually(lambda: not left(), "the timed-out command's processes gone", 30)
+    # A timeout shorter than podman's start: the command is found once it runs, and ended.
+    assert job.exec("sleep 3133", timeout_s=0.05)[0] == 124
+    eventually(lambda: not left(), "the command that outran its timeout gone", 30)
 
     assert job.stop(timeout=60) == JobState.STOPPED
     printed = [line.split("] ", 1)[-1] for line in job.logs()]
@@ -442,6 +446,9 @@ def test_jobs_and_ranks_asking_for_one_new_image_at_once_pull_it_once(
         ranks = {(jobs[0].id, "rank 0"), (jobs[0].id, "rank 1"), (jobs[1].id, "rank 0")}
         assert ranks - pullers <= found, said
         assert sum(": Copying blob " in s for *_, s in said) == 2  # podman's progress lines
+        # The node's puller took part (it or an agent pulled; see the puller's own test).
+        alive = list_actors(address=container_cluster, filters=[("state", "=", "ALIVE")])
+        assert any(a.name.startswith("orchestrator-image-puller-") for a in alive)
     finally:
         images.podman_cli("rmi", image)
 
@@ -594,3 +601,51 @@ def test_an_image_found_on_the_node_is_held_before_another_job_can_remove_it(
     finally:
         for name in (a, b):
             images.podman_cli("rmi", name)
+
+
+def test_a_nodes_puller_pulls_once_says_how_and_leaves_a_refusal_to_the_agent(
+    registry, tmp_path, monkeypatch
+):
+    """The node's ImagePuller alone (its actor runs this class): a new image pulled with the
+    registry secret, podman's lines said; asked again, nothing and no podman call (it remembers
+    the image's layer); removed by other means, pulled again; with a refused password it says
+    nothing and pulls nothing (the agent's own prepare reports it)."""
+    monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registry.registries_conf))
+    monkeypatch.setenv("ORCHESTRATOR_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(_secret_env("puller_login"), f"{REGISTRY_USER}:{REGISTRY_PASSWORD}")
+    monkeypatch.setenv(_secret_env("puller_wrong"), f"{REGISTRY_USER}:not-the-password")
+    context = tmp_path / "context"
+    context.mkdir()
+    (context / "Containerfile").write_text(  # a layer of its own: removing it removes its files
+        f"FROM {IMAGE}\nRUN head -c 100000 /dev/urandom > /layer\n"
+    )
+    built = images.podman_cli("build", "--ulimit", "nofile=1024:1024", "-t",
+                              "localhost/orchestrator-tests/puller:1", str(context))  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    image = registry.push("localhost/orchestrator-tests/puller:1", "puller/layered:1")
+    images.podman_cli("rmi", "localhost/orchestrator-tests/puller:1")
+    puller = ImagePuller()
+    login = (image, "agent-a", registry.address, "puller_login")
+    try:
+        said = list(puller.pull(*login))
+        assert f"image {image}: pulling it onto this node" in said, said
+        assert any(": Copying blob " in line for line in said)
+        assert any(line.startswith(f"image {image}: pulled in ") for line in said)
+        assert podman.exists(image)
+
+        asked: list[str] = []
+        exists = podman.exists
+        monkeypatch.setattr(podman, "exists", lambda name, kind="image": asked.append(name))
+        assert list(puller.pull(*login)) == [] and asked == []
+        monkeypatch.setattr(podman, "exists", exists)
+
+        assert images.podman_cli("rmi", image).returncode == 0  # removed by other means
+        said = list(puller.pull(*login))
+        assert f"image {image}: pulling it onto this node" in said and podman.exists(image)
+
+        assert images.podman_cli("rmi", image).returncode == 0
+        refused = (image, "agent-b", registry.address, "puller_wrong")
+        assert [line for line in puller.pull(*refused) if "rror" in line] == []
+        assert not podman.exists(image)
+    finally:
+        images.podman_cli("rmi", image)

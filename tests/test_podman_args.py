@@ -53,3 +53,19 @@ def test_the_container_shell_runs_commands_in_order_and_names_the_one_that_faile
     )  # fmt: skip
     assert shell.returncode == 7 and shell.stdout == b"one\n"
     assert podman.failed_command(status) == (1, 0)  # no memory kill (or no cgroup) here
+
+
+def test_a_shell_command_past_its_timeout_is_found_even_if_it_started_after(tmp_path):
+    """podman can start the command after a short timeout has expired: its pid, written late,
+    is waited for, so what ends it is still known (else it would run on in the container)."""
+    import threading
+
+    shell = podman.ShellCommand(["podman", "exec"], "orchestrator-j1-rank-0", False,
+                                tmp_path / "shell.pid")  # fmt: skip
+    threading.Timer(0.5, lambda: shell.pid_file.write_text("42\n")).start()
+    argv = podman.end_shell_argv(shell, wait_s=5)
+    assert argv is not None and argv[-1] == "42" and "orchestrator-j1-rank-0" in argv
+    never = podman.ShellCommand(["podman", "exec"], "n", False, tmp_path / "never.pid")
+    assert podman.end_shell_argv(never, wait_s=0.2) is None  # it never ran: nothing to end
+    own = podman.ShellCommand(["podman", "run"], "n-shell-1", True, tmp_path / "own.pid")
+    assert podman.end_shell_argv(own)[-1] == "n-shell-1"  # its own container: removed

@@ -23,6 +23,7 @@ import shlex
 import subprocess
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -266,15 +267,21 @@ exit 0
 """
 
 
-def end_shell_argv(shell: ShellCommand) -> list[str] | None:
+def end_shell_argv(shell: ShellCommand, wait_s: float = 2.0) -> list[str] | None:
     """What ends the shell command and all it started inside, as a timeout on the host kills
-    its process group; None before it ran (its pid unknown)."""
+    its process group. Its pid is waited for up to `wait_s` (a timeout shorter than podman's
+    start); None if it never ran."""
     if shell.own_container:
         return remove_argv(shell.name)
-    try:
-        pid = int(shell.pid_file.read_text())
-    except (OSError, ValueError):
-        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            pid = int(shell.pid_file.read_text())
+            break
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
     return ["podman", *global_args(), "exec", shell.name, "/bin/sh", "-c", _KILL_TREE,
             "orchestrator", str(pid)]  # fmt: skip
 
