@@ -22,6 +22,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 from orchestrator.node import podman
 
 BUSYBOX = "localhost/orchestrator-tests/busybox:1"
@@ -61,18 +63,25 @@ def python_image() -> str:
 
 
 def _distributions() -> list[importlib.metadata.Distribution]:
-    """PACKAGES and what they require (their extras left out), as installed here."""
+    """PACKAGES and what they require here (not their extras), as installed here."""
     found: dict[str, importlib.metadata.Distribution] = {}
-    todo = list(PACKAGES)
+    todo: list[tuple[str, frozenset[str]]] = [(name, frozenset()) for name in PACKAGES]
+    done: set[tuple[str, frozenset[str]]] = set()
     while todo:
-        dist = importlib.metadata.distribution(todo.pop())
+        name, extras = todo.pop()
+        dist = importlib.metadata.distribution(name)
         key = dist.metadata["Name"].lower().replace("_", "-")
-        if key in found:
+        if (key, extras) in done:
             continue
+        done.add((key, extras))
         found[key] = dist
-        for requirement in dist.requires or []:
-            if "extra ==" not in requirement:
-                todo.append(re.split(r"[ <>=!~;\[(]", requirement, maxsplit=1)[0])
+        for line in dist.requires or []:
+            # Its needs here: other platforms' left out, an extra's only where it was asked for
+            # (torch's CUDA build asks for cuda-toolkit[cudart,cublas,...]).
+            requirement = Requirement(line)
+            marker = requirement.marker
+            if marker is None or any(marker.evaluate({"extra": e}) for e in {"", *extras}):
+                todo.append((requirement.name, frozenset(requirement.extras)))
     return [found[key] for key in sorted(found)]
 
 
@@ -113,6 +122,8 @@ def _python_into(rootfs: Path) -> None:
     for alias in ("python3", "python"):
         (local / "bin" / alias).symlink_to(version)
     site = target_lib / "site-packages"
+    # Debian's and Ubuntu's own Python looks in dist-packages outside a virtual environment.
+    (target_lib / "dist-packages").symlink_to("site-packages")
     for dist in _distributions():
         for file in dist.files or []:
             if file.parts[0] == ".." or "__pycache__" in file.parts:

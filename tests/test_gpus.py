@@ -157,9 +157,44 @@ def test_the_drivers_files_are_what_ldconfig_knows_resolved_with_every_name(tmp_
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
     assert gpus.driver_files() == [
         (str(real), f"{DRIVER_DIR}/lib64/libcuda.so"),
         (str(real), f"{DRIVER_DIR}/lib64/libcuda.so.1"),
         (str(ml), f"{DRIVER_DIR}/lib64/libnvidia-ml.so.1"),
         (str(bin_dir / "nvidia-smi"), f"{DRIVER_DIR}/bin/nvidia-smi"),
+    ]
+
+
+def test_a_driver_on_ld_library_path_outside_the_loaders_cache_is_found_first(
+    tmp_path, monkeypatch
+):
+    """NVIDIA's images and some GPU hosts keep the driver in /usr/local/nvidia/lib64 on
+    LD_LIBRARY_PATH, which `ldconfig -p` does not list: the container gets those files, and where
+    both have a name, the one the host's own processes load (LD_LIBRARY_PATH comes first)."""
+    driver = tmp_path / "nvidia" / "lib64"
+    driver.mkdir(parents=True)
+    real = driver / "libcuda.so.580.159.04"
+    real.write_text("")
+    (driver / "libcuda.so.1").symlink_to(real.name)
+    (driver / "libnvidia-ml.so.1").write_text("")
+    (driver / "libz.so.1").write_text("")  # not the driver's
+    (driver / "libnvidia-gpucomp.so.1").symlink_to("missing")  # a dangling link: nothing to bind
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "libcuda.so.1").write_text("")
+    (bin_dir / "ldconfig").write_text(
+        "#!/bin/sh\necho '1 libs found in cache /etc/ld.so.cache'\n"
+        f"echo '\tlibcuda.so.1 (libc6,x86-64) => {cache}/libcuda.so.1'\n"
+    )  # fmt: skip
+    (bin_dir / "ldconfig").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setattr(gpus.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"{tmp_path / 'absent'}::{driver}")
+    assert gpus.driver_files() == [
+        (str(real), f"{DRIVER_DIR}/lib64/libcuda.so.1"),
+        (str(real), f"{DRIVER_DIR}/lib64/{real.name}"),  # by its own name too, as the link's
+        (str(driver / "libnvidia-ml.so.1"), f"{DRIVER_DIR}/lib64/libnvidia-ml.so.1"),
     ]

@@ -4,8 +4,8 @@ gave the rank, and only those.
 Through CDI where the node has a spec of NVIDIA's GPUs (`nvidia-ctk cdi generate`, which
 cluster.yaml runs): `--device nvidia.com/gpu=<index>`, the spec bringing the device nodes, the
 driver's libraries and its hooks. Else the device nodes themselves, and the driver's user-space
-libraries and tools (as `ldconfig -p` and PATH find them on the node) bound read-only under
-/usr/local/nvidia, where NVIDIA's CUDA images look (the container's shells add it to
+libraries and tools (as LD_LIBRARY_PATH, `ldconfig -p` and PATH find them on the node) bound
+read-only under /usr/local/nvidia, where NVIDIA's CUDA images look (the container's shells add it to
 LD_LIBRARY_PATH and PATH when it is there, node/podman.py).
 
 Inside, the rank's GPUs are the only ones CUDA can open, so they are numbered from 0, as a Slurm
@@ -14,6 +14,7 @@ job confined to its GPUs has them: CUDA_VISIBLE_DEVICES says `0,1`, not the node
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
@@ -96,11 +97,16 @@ def cdi_devices(cdi_dirs: tuple[str, ...] = CDI_DIRS) -> set[str]:
 
 def driver_files() -> list[tuple[str, str]]:
     """The driver's libraries and tools on this node, each (its file, its path inside the
-    container under DRIVER_DIR): every name `ldconfig -p` knows a library by, so `libcuda.so.1`
-    and `libcuda.so` both resolve."""
+    container under DRIVER_DIR): every name a library goes by in LD_LIBRARY_PATH's folders
+    (where a node's driver lives outside the loader's cache, as in NVIDIA's own images), then
+    in `ldconfig -p`, the loader's order, so `libcuda.so.1` and `libcuda.so` both resolve."""
+    files: dict[str, str] = {}
+    for folder in filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":")):
+        for library in sorted(Path(folder).glob("lib*.so*")):
+            if library.name.startswith(_LIBRARIES) and library.exists():
+                files.setdefault(library.name, str(library.resolve()))
     listed = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
     arch = _LDCONFIG_ARCH.get(platform.machine(), platform.machine())
-    files: dict[str, str] = {}
     for line in listed.splitlines()[1:]:
         name, _, rest = line.strip().partition(" ")
         flags, _, path = rest.partition(" => ")
