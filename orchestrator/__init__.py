@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _CLIENT_API = ("push", "dry_run", "get_job", "list_jobs", "list_projects")
 _QUEUE_API = ("set_capacity", "capacity", "queue", "update_priority")
 _DEPLOY_API = ("deploy_checkpoints", "list_deployments", "get_deployment", "stop_deployment")
+_AUDIT_API = ("events",)
 _ERRORS = (
     "ConfigError", "OrchestratorError", "PushWhileLoading", "SettingError",
     "UnsupportedFeatureError", "WorkspaceError",
@@ -35,6 +36,8 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("orchestrator.client.queue"), name)
     if name in _DEPLOY_API:
         return getattr(importlib.import_module("orchestrator.client.deploy"), name)
+    if name in _AUDIT_API:
+        return getattr(importlib.import_module("orchestrator.client.audit"), name)
     if name in _ERRORS:
         return getattr(importlib.import_module("orchestrator.errors"), name)
     if name in _NODE_HELPERS:
@@ -56,5 +59,5 @@ def __dir__() -> list[str]:
 def _public_names() -> list[str]:
     from orchestrator.definitions import __all__ as spec_names
 
-    return [*_CLIENT_API, *_QUEUE_API, *_DEPLOY_API, *_ERRORS, *_NODE_HELPERS, "definitions",
-            *spec_names]  # fmt: skip
+    return [*_CLIENT_API, *_QUEUE_API, *_DEPLOY_API, *_AUDIT_API, *_ERRORS, *_NODE_HELPERS,
+            "definitions", *spec_names]  # fmt: skip

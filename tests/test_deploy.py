@@ -24,6 +24,7 @@ from ray.serve.schema import ServeDeploySchema
 from ray.util.state import list_actors, list_placement_groups
 
 from orchestrator.client.api import push
+from orchestrator.client.audit import events
 from orchestrator.client.deploy import (
     DeployError,
     deploy_checkpoints,
@@ -162,8 +163,15 @@ def test_deployments_are_listed_and_stopping_leaves_nothing(trained, ray_cluster
     stopped = cli("deployments", "stop", "tiny-full")
     assert stopped.returncode == 0, stopped.stderr
     assert [d.name for d in list_deployments()] == ["tiny-lora"]
-    stop_deployment("tiny-lora")  # the last one: Serve itself goes
+    stop_deployment("tiny-lora", storage_root=trained[1])  # the last one: Serve itself goes
     assert list_deployments() == []
+    # The audit trail: each deployment made, and each stop (the CLI's went to its default root).
+    made = [(e.target, e.result, e.job) for e in events(storage_root=trained[1])
+            if e.verb == "deploy"]  # fmt: skip
+    assert ("tiny-full", "ok", job.id) in made and ("tiny-lora", "ok", job.id) in made
+    stops = [e.target for e in events(storage_root=trained[1]) + events()
+             if e.verb == "deployment stop" and e.result == "ok"]  # fmt: skip
+    assert stops.count("tiny-full") == 1 and stops.count("tiny-lora") == 1
     alive = list_actors(address=ray_cluster.dashboard_url, filters=[("state", "=", "ALIVE")])
     serve_actors = [a.class_name for a in alive if "Serve" in a.class_name or "Proxy" in
                     a.class_name or "TransformersServer" in a.class_name]  # fmt: skip

@@ -16,6 +16,7 @@ from conftest import make_job
 from ray.util.state import list_actors, list_placement_groups
 
 from orchestrator.client.api import push
+from orchestrator.client.audit import events
 from orchestrator.client.jobs import JobHandle
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
@@ -117,6 +118,9 @@ def test_on_demand_holds_only_when_asked(tmp_path, ray_cluster):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "its nodes stay until" in result.stdout
+    (event,) = [e for e in events(job=job.id, storage_root=job.record.storage_root)
+                if e.verb == "isession"]  # fmt: skip
+    assert (event.result, event.detail) == ("ok", "hold 0.25 minutes")
     (tmp_path / "go").touch()
     wait_held(job)
     assert job.wait(timeout=60) == JobState.COMPLETED  # its time is up: released, no stop

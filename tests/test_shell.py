@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pexpect
 import psutil
@@ -14,6 +15,7 @@ import pytest
 from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, attach, eventually, make_job
 
 from orchestrator.client.api import push
+from orchestrator.client.audit import events
 from orchestrator.lifecycle import JobState
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -147,3 +149,18 @@ def test_a_command_runs_in_the_job_with_its_files_and_environment(running_job):
         assert job.stop() == JobState.STOPPED
     ended = shell("--job-id", job.id, "--storage-root", storage_root, "--", "true")
     assert ended.returncode == 1 and "has ended (STOPPED)" in ended.stderr
+
+    # The audit trail: the push, each command (not its text), the stop; nothing for the refused
+    # shell into the ended job, which changed nothing.
+    trail = [
+        (e.verb, e.result.split(":")[0], e.detail)
+        for e in events(job=job.id, storage_root=storage_root)
+        if e.detail is None or "terminal" not in e.detail
+    ]
+    assert trail == [
+        ("push", "ok", None), ("shell", "ok", "command, rank 0, exit 3"),
+        ("shell", "failed", "command, rank 3"), ("shell", "ok", "command, rank 0, exit 124"),
+        ("stop", "ok", "ended STOPPED"),
+    ], trail  # fmt: skip
+    stored = "".join(p.read_text() for p in Path(storage_root, "audit").rglob("*.json"))
+    assert "note.txt" not in stored and NODE_SECRET_VALUE not in stored

@@ -11,6 +11,7 @@ from rich.markup import escape
 from orchestrator.cli import (
     cmd_deploy,
     cmd_download,
+    cmd_events,
     cmd_init,
     cmd_isession,
     cmd_logs,
@@ -55,6 +56,7 @@ app.command("isession")(cmd_isession.isession)
 app.command("deploy_checkpoints")(cmd_deploy.deploy_checkpoints)
 app.command("queue")(cmd_queue.queue)
 app.command("update")(cmd_update.update)
+app.command("events")(cmd_events.events)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(cache_app, name="cache")

@@ -101,7 +101,7 @@ def deploy_checkpoints(
         plan = renamed(plan, Prompt.ask("Model name", default=plan.name, console=_stderr))
     _stderr.print(f"engine: [bold]{plan.model.engine}[/bold] ({escape(plan.engine_reason)})")
     deployment = deploy_plan(plan, replace=replace, dry_run=dry_run, timeout=timeout,
-                             address=address)  # fmt: skip
+                             address=address, storage_root=storage_root)  # fmt: skip
     if dry_run:
         if output is OutputFormat.json:
             print_json(deployment.serve_config)

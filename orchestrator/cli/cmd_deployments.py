@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator.cli.options import Address
+from orchestrator.cli.options import Address, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, print_json
 from orchestrator.client.deploy import get_deployment, list_deployments, stop_deployment
 
@@ -45,10 +45,11 @@ def stop(
     name: Annotated[str, typer.Argument(help="The deployment (its model name)")],
     address: Address = None,
     output: Output = OutputFormat.text,
+    storage_root: StorageRootOption = None,
 ) -> None:
     """Delete the deployment: its Serve application, replicas and their resources."""
     deployment = get_deployment(name, address=address)
-    stop_deployment(name, address=address)
+    stop_deployment(name, address=address, storage_root=storage_root)
     if output is OutputFormat.json:
         print_json({"name": deployment.name, "stopped": True})
         return

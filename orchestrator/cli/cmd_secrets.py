@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.cli.render import OutputFormat, console, print_json, when
+from orchestrator.client.audit import audited
+from orchestrator.client.connection import storage
 from orchestrator.errors import OrchestratorError
 from orchestrator.storage.secret_store import (
     SECRETS_DIR_ENV,
@@ -69,7 +71,9 @@ def set_secret(
     check_team(team)
     store = FileSecretStore(secrets_dir)
     _warn_if_remote_cluster()
-    store.set(name, _read_value(name), team)
+    value = _read_value(name)
+    with audited(storage(), "secrets set", target=name, team=team):  # the name, never the value
+        store.set(name, value, team)
     console.print(f"secret {name} set ({scope_label(team)}) in {store.directory}")
 
 
@@ -119,12 +123,13 @@ def list_secrets(
 def delete_secret(name: Name, team: Team = None, secrets_dir: SecretsDir = None) -> None:
     """Delete NAME from one scope (cluster-wide, or --team's)."""
     store = FileSecretStore(secrets_dir)
-    if not store.delete(name, team):
-        hint = f"orchestrator secrets list{f' --team {team}' if team else ''}"
-        raise OrchestratorError(
-            f"no secret {name} ({scope_label(team)}) in {store.directory}: "
-            f"`{hint}` shows what is there"
-        )
+    with audited(storage(), "secrets delete", target=name, team=team):
+        if not store.delete(name, team):
+            hint = f"orchestrator secrets list{f' --team {team}' if team else ''}"
+            raise OrchestratorError(
+                f"no secret {name} ({scope_label(team)}) in {store.directory}: "
+                f"`{hint}` shows what is there"
+            )
     console.print(f"secret {name} deleted ({scope_label(team)})")
     if team and any(s.name == name for s in store.names(None)):
         console.print(f"jobs of team {team} now read the cluster-wide {name}")

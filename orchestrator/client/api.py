@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.client.audit import audited
 from orchestrator.client.connection import connect, storage
 from orchestrator.client.job_summary import describe_job
 from orchestrator.client.jobs import JobHandle
@@ -47,7 +48,11 @@ def push(
     prepared = prepare_job(config, source_dir, overrides)
     connection = connect(address)
     store = JobStore(storage(storage_root))
-    record = submit(prepared, connection, store.root, colocate_ranks=colocate_ranks, retry=retry)
+    project = prepared.project
+    with audited(store.root, "push", project=project.name, team=project.team_name) as event:
+        record = submit(prepared, connection, store.root, colocate_ranks=colocate_ranks,
+                        retry=retry)  # fmt: skip
+        event["job"] = record.job_id
     return JobHandle(store, record)
 
 
@@ -95,7 +100,11 @@ def recreate(
     store = JobStore(storage(storage_root))
     check_recreatable(earlier.record, store.root)  # before a cluster is started for nothing
     connection = connect(address)
-    return JobHandle(store, recreate_job(earlier.record, connection, store.root))
+    with audited(store.root, "recreate", project=earlier.project, team=earlier.record.team,
+                 detail=f"from job {earlier.id}") as event:  # fmt: skip
+        record = recreate_job(earlier.record, connection, store.root)
+        event["job"] = record.job_id
+    return JobHandle(store, record)
 
 
 def get_job(job_id: str, *, storage_root: str | None = None) -> JobHandle:

@@ -18,8 +18,9 @@ from urllib.parse import urlsplit
 
 from orchestrator import settings
 from orchestrator.client.api import get_job, latest_job
+from orchestrator.client.audit import audited
 from orchestrator.client.config_loader import load_deploy_config
-from orchestrator.client.connection import Connection, connect
+from orchestrator.client.connection import Connection, connect, storage
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.serve_lock import serve_applications_lock
 from orchestrator.errors import ConfigError, DeployError
@@ -95,7 +96,7 @@ def deploy_checkpoints(
     plan = plan_from(config, job_id=job_id, checkpoints=checkpoints, model_name=model_name,
                      engine=engine, storage_root=storage_root)  # fmt: skip
     return deploy_plan(plan, replace=replace, dry_run=dry_run, wait=wait, timeout=timeout,
-                       address=address)  # fmt: skip
+                       address=address, storage_root=storage_root)  # fmt: skip
 
 
 def deploy_plan(
@@ -106,12 +107,24 @@ def deploy_plan(
     wait: bool = True,
     timeout: float | None = None,
     address: str | None = None,
+    storage_root: str | None = None,
 ) -> Deployment:
     """Deploy what `plan_from` planned (the CLI plans once, asks for a name, then deploys)."""
     app = application(plan)
     if dry_run:
         host = settings.SERVE_HOST.get() or "0.0.0.0"
         return _deployment(plan, serve_config([app], host, settings.SERVE_PORT.get()), "", None)
+    served = [c.key for c in plan.model.checkpoints]  # <job>/rank-<r>/<name>
+    with audited(storage(storage_root), "deploy", target=plan.name,
+                 job=served[0].split("/")[0] if served else None,
+                 detail=", ".join(served)):  # fmt: skip
+        return _deploy(plan, app, replace, wait, timeout, address)
+
+
+def _deploy(
+    plan: DeploymentPlan, app: dict[str, Any], replace: bool, wait: bool,
+    timeout: float | None, address: str | None,
+) -> Deployment:  # fmt: skip
     connection = connect(address)
     client = _serve_client(connection)
     with serve_applications_lock(connection.address):  # read, add ours, write back: one at a time
@@ -260,11 +273,19 @@ def get_deployment(
 
 
 def stop_deployment(
-    name: str, *, address: str | None = None, connection: Connection | None = None
+    name: str,
+    *,
+    address: str | None = None,
+    connection: Connection | None = None,
+    storage_root: str | None = None,
 ) -> None:
     """Delete the Serve application; Serve itself too when nothing else runs on it, so no
     controller, proxy or placement group is left behind."""
-    connection = connection or connect(address)
+    with audited(storage(storage_root), "deployment stop", target=name):
+        _stop_deployment(name, connection or connect(address))
+
+
+def _stop_deployment(name: str, connection: Connection) -> None:
     client = _serve_client(connection)
     with serve_applications_lock(connection.address):  # read, drop ours, write back
         details = _details(client)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.client.audit import audited
 from orchestrator.client.connection import Connection
 from orchestrator.client.log_view import FOLLOW_PROGRESS_S, thin_progress
 from orchestrator.client.metrics import JobMetrics
@@ -150,14 +151,18 @@ class JobHandle:
         that waits in the queue with no controller yet is stopped by the queue service."""
         if (state := self.refresh().state).is_terminal:
             return state
-        if (waiting := self._waiting_entry()) is not None:
-            return stop_waiting(self._store, waiting, timeout)
-        client = self._client()
-        try:
-            client.stop_job(self.id)
-        except Exception as e:
-            raise OrchestratorError(f"could not stop job {self.id}: {e}") from e
-        return self.wait(timeout)
+        with self._audited("stop") as event:
+            if (waiting := self._waiting_entry()) is not None:
+                state = stop_waiting(self._store, waiting, timeout)
+            else:
+                client = self._client()
+                try:
+                    client.stop_job(self.id)
+                except Exception as e:
+                    raise OrchestratorError(f"could not stop job {self.id}: {e}") from e
+                state = self.wait(timeout)
+            event["detail"] = f"ended {state.value}"
+        return state
 
     def attempts(self) -> list[Attempt]:
         """Each run of the job's commands (BT_RETRY_COUNT), with how it ended and why."""
@@ -233,7 +238,8 @@ class JobHandle:
         if (state := self.refresh().state).is_terminal:
             raise OrchestratorError(f"job {self.id} has ended ({state.value})")
         until = time.time() + minutes * 60
-        self._store.root.write_json(layout.session(self.id), {"held_until": until})
+        with self._audited("isession", detail=f"hold {minutes:g} minutes"):
+            self._store.root.write_json(layout.session(self.id), {"held_until": until})
         return until
 
     def attach(self, rank: int = 0, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
@@ -243,17 +249,24 @@ class JobHandle:
 
         if (state := self.refresh().state).is_terminal:
             raise OrchestratorError(f"job {self.id} has ended ({state.value})")
-        return attach(self, rank, stdin_fd, stdout_fd)
+        with self._audited("shell", detail=f"terminal, rank {rank}"):
+            return attach(self, rank, stdin_fd, stdout_fd)
 
     def exec(self, command: str, rank: int = 0, timeout_s: float = 600) -> tuple[int, str]:
         """Run one shell command in the running job's rank `rank`, as its commands run (working
         directory, environment, secrets resolved on the node and masked in the output); its
         exit code and output. Goes through the Job API as a short Ray job: no SSH, no ports."""
+        if (state := self.refresh().state).is_terminal:
+            raise OrchestratorError(f"job {self.id} has ended ({state.value})")
+        with self._audited("shell", detail=f"command, rank {rank}") as event:  # not its text
+            code, output = self._exec(command, rank, timeout_s)
+            event["detail"] += f", exit {code}"
+        return code, output
+
+    def _exec(self, command: str, rank: int, timeout_s: float) -> tuple[int, str]:
         from orchestrator.client.submit import dashboard_name, remote_python, submit_ray_job
         from orchestrator.controller.job_shell import NOT_RUN_EXIT, OUTPUT_MARKER
 
-        if (state := self.refresh().state).is_terminal:
-            raise OrchestratorError(f"job {self.id} has ended ({state.value})")
         client = self._client()
         entrypoint = shlex.join([
             remote_python(self.record.embedded_cluster), "-m", "orchestrator.controller.job_shell",
@@ -279,6 +292,11 @@ class JobHandle:
             why = logs.strip().splitlines()[-1:] or [info.message or "no output"]
             raise OrchestratorError(f"could not run a command in job {self.id}: {why[0]}")
         return code, logs.split(OUTPUT_MARKER + "\n", 1)[1]
+
+    def _audited(self, verb: str, **target: Any) -> Any:
+        """`audited` of a change to this job (client/audit.py)."""
+        return audited(self._store.root, verb, job=self.id, project=self.project,
+                       team=self.record.team, **target)  # fmt: skip
 
     def _waiting_entry(self) -> QueueEntry | None:
         queue = QueueStore(self._store.root)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from orchestrator.client.audit import audited
 from orchestrator.client.connection import storage
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.lifecycle import JobState
@@ -18,6 +19,7 @@ from orchestrator.spec.accelerators import Accelerator
 from orchestrator.spec.base import parse_memory
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.queue_store import REQUESTS, QueueEntry, QueueStore, Quotas
+from orchestrator.storage.root import StorageRoot
 
 NO_TEAM = "(no team)"
 NOT_CONSIDERED = "not yet considered by the queue service"
@@ -52,7 +54,10 @@ def set_capacity(
         limits["CPU"] = _amount("cpus", cpus)
     if memory is not None:
         limits["memory"] = _amount("memory", _memory_bytes(memory))
-    return QueueStore(storage(storage_root)).set_quota(team, limits or None)
+    root = storage(storage_root)
+    detail = ", ".join(f"{k.removeprefix(GPU_PREFIX)} {v:g}" for k, v in limits.items())
+    with audited(root, "capacity set", team=team, detail=detail or "no limit"):
+        return QueueStore(root).set_quota(team, limits or None)
 
 
 def capacity(*, storage_root: str | None = None) -> dict[str, Any]:
@@ -124,6 +129,13 @@ def update_priority(
     """Change a PENDING job's priority while it waits in the queue (as Baseten's `truss train
     update`). The queue service applies it; this waits until it has, up to `timeout_s`."""
     root = storage(storage_root)
+    record = JobStore(root).record(job_id)
+    with audited(root, "update", job=job_id, project=record.project, team=record.team,
+                 detail=f"priority {priority}"):  # fmt: skip
+        return _update_priority(root, job_id, priority, timeout_s)
+
+
+def _update_priority(root: StorageRoot, job_id: str, priority: int, timeout_s: float) -> int:
     state = JobStore(root).status(job_id).state
     store = QueueStore(root)
     entry = store.entry(job_id) or store.incoming_entry(job_id)

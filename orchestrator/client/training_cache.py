@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.client.audit import audited
 from orchestrator.client.connection import storage
 from orchestrator.errors import OrchestratorError, ProjectNotFound
 from orchestrator.storage import layout
@@ -70,5 +71,8 @@ def delete_cache(
     """Empty the project's cache; (files, bytes) it held. Nodes drop their copies when next
     seeded, except files a running job has changed since."""
     key = _key(project, storage_root)
-    before = CacheStore(storage(storage_root), _team(team, storage_root), key).clear()
+    root, team = storage(storage_root), _team(team, storage_root)
+    with audited(root, "cache delete", project=project, team=team) as event:
+        before = CacheStore(root, team, key).clear()
+        event["detail"] = f"{len(before.files)} files, {before.total_bytes} bytes"
     return len(before.files), before.total_bytes

@@ -39,6 +39,10 @@ TREE: tuple[tuple[str, str], ...] = (
     ("caches/<team>/team/objects/<version>", "one file of the team's cache at one version"),
     ("weights/<key>/files/<path>", "a mirrored weight set's files (storage/weights.py)"),
     ("weights/<key>/manifest.json", "WeightSet: written last, the commit"),
+    (
+        "audit/<month>/<time>-<hex>.json",
+        "AuditEvent: one change made through us, created once (storage/audit.py)",
+    ),
     ("queue/quotas.json", "each team's quota (storage/queue_store.py)"),
     ("queue/entries/<job_id>.json", "QueueEntry: a job waiting or admitted"),
     ("queue/incoming/<job_id>.json", "QueueEntry of a pushed job the service has not taken yet"),
