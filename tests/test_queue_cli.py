@@ -18,6 +18,7 @@ from test_cli_checkpoints import cli, make_record
 from typer.testing import CliRunner
 
 from orchestrator.cli.app import app
+from orchestrator.client.audit import events
 from orchestrator.client.queue import capacity, queue, set_capacity, update_priority
 from orchestrator.errors import ConfigError, OrchestratorError
 from orchestrator.lifecycle import JobState
@@ -280,6 +281,8 @@ def test_update_changes_a_waiting_jobs_priority_once_the_service_applies_it(root
                      root.url)  # fmt: skip
     assert "job wait-v: priority 3" in out
     assert QueueStore(root).entry("wait-v").priority == 3
+    trail = [(e.verb, e.result, e.detail) for e in events(job="wait-v", storage_root=root.url)]
+    assert trail == [("update", "ok", "priority 9"), ("update", "ok", "priority 3")]
 
 
 def test_update_refuses_a_job_that_is_not_pending_or_not_waiting_in_the_queue(root):
@@ -295,6 +298,8 @@ def test_update_refuses_a_job_that_is_not_pending_or_not_waiting_in_the_queue(ro
     with pytest.raises(OrchestratorError, match="job wait-v is PENDING but admitted already"):
         update_priority("wait-v", 9, storage_root=root.url)
     assert not any(store.request_pending(j) for j in ("run-v", "gone", "wait-v"))
+    refused = [(e.job, e.result.split(":")[0]) for e in events(storage_root=root.url)]
+    assert refused == [("run-v", "failed"), ("gone", "failed"), ("wait-v", "failed")]
 
     result = cli("update", "--job-id", "run-v", "--priority", "9", "--storage-root", root.url)
     assert result.returncode == 1 and "can be re-prioritised" in result.stderr

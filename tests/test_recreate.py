@@ -10,6 +10,7 @@ import pytest
 from conftest import make_job
 
 from orchestrator.client.api import get_job, push, recreate
+from orchestrator.client.audit import events
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage import layout
@@ -56,6 +57,9 @@ def test_recreate_runs_the_same_code_and_config_again(tmp_path, storage_root):
     assert again.record.archive == first.record.archive  # not uploaded again
     assert again.record.spec == first.record.spec
     assert again.details().history[0].reason == f"recreated from job {first.id}"
+    trail = [(e.verb, e.job, e.result, e.detail) for e in events(storage_root=storage_root)]
+    assert trail == [("push", first.id, "ok", None),
+                     ("recreate", new_id, "ok", f"from job {first.id}")]  # fmt: skip
 
 
 def test_recreate_without_the_code_archive_says_so_and_submits_nothing(tmp_path, storage_root):
