@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster
 from servers import HubStandIn, TlsFileServer, trust_ca_in_aiohttp
 
 from orchestrator.agents.weight_cache import NODE_CACHE_DIR_ENV
-from orchestrator.cluster.local import CLUSTER_ENV, LocalCluster, LocalClusterInfo, embedded_env
+from orchestrator.cluster.local import CLUSTER_ENV, LocalCluster, LocalClusterInfo, use_embedded_env
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.storage.root import StorageRoot
 
@@ -212,6 +212,7 @@ def ray_cluster(
     os.environ[NODE_CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("node-weights-cache"))
     cluster = LocalCluster()
     info = cluster.ensure_running()
+    use_embedded_env(info.token_file)  # the tests' own Ray clients need its token too
     try:
         yield info
     finally:
@@ -263,8 +264,7 @@ def ray_driver(
     after."""
     import ray
 
-    for key, value in embedded_env().items():
-        monkeypatch.setenv(key, value)
+    use_embedded_env(cluster.token_file)
     # Ray read RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it was imported; without it off, ray.init
     # swaps 127.0.0.1 for the machine's address and hangs.
     monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
@@ -289,7 +289,8 @@ def simulated_cluster(ray_client_port: int | None = None) -> tuple[Cluster, str]
     to by its dashboard address; the caller adds the workers and shuts it down. Not the
     embedded cluster, so the controller's interpreter is named explicitly. `ray_client_port`:
     a Ray Client server there too (`orchestrator shell`'s terminal)."""
-    os.environ.update({**embedded_env(), **CLUSTER_ENV, "ORCHESTRATOR_PYTHON": sys.executable})
+    use_embedded_env()  # its processes start with this home's token, as the embedded cluster
+    os.environ.update({**CLUSTER_ENV, "ORCHESTRATOR_PYTHON": sys.executable})
     port = free_port()
     head = {"num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
             "dashboard_port": port,

@@ -30,6 +30,7 @@ from registry import REGISTRY_PASSWORD, REGISTRY_USER, Registry
 from orchestrator import actor_names
 from orchestrator.agents.image_puller import ImagePuller
 from orchestrator.client.api import push
+from orchestrator.cluster.auth import token_file
 from orchestrator.lifecycle import JobState
 from orchestrator.node import podman
 from orchestrator.node.image_cache import ImageCache
@@ -125,6 +126,8 @@ def test_commands_run_in_the_image_seeing_only_their_mounts_and_checkpoints_uplo
     commands = [
         "echo installed > /etc/installed-by-job",  # what a `pip install` does to an image
         f"cat /etc/installed-by-job; test -e {here} || echo no host paths; "
+        f"test -e {token_file()} || echo no token file; "  # the cluster's, beside Ray's processes
+        "echo auth ${RAY_AUTH_MODE:-none} ${RAY_AUTH_TOKEN_PATH:-none}; "
         "echo rank $BT_NODE_RANK of $BT_GROUP_SIZE token $TOKEN; "
         "mkdir -p $BT_CHECKPOINT_DIR/checkpoint-1 && echo one > $BT_CHECKPOINT_DIR/checkpoint-1/w; "
         "mkdir $BT_CHECKPOINT_DIR/.tmp-2 && echo two > $BT_CHECKPOINT_DIR/.tmp-2/w && "
@@ -137,6 +140,7 @@ def test_commands_run_in_the_image_seeing_only_their_mounts_and_checkpoints_uplo
     printed = [line.split("] ", 1)[-1] for line in job.logs()]
     assert "installed" in printed  # the second command sees what the first did to the image
     assert "no host paths" in printed
+    assert "no token file" in printed and "auth none none" in printed  # no cluster credential
     assert "rank 0 of 1 token *****" in printed  # the secret reached it, masked in the logs
     stored = {(m.name, m.size_bytes) for m in job.checkpoints()}
     assert stored == {("checkpoint-1", 4), ("checkpoint-2", 4)}  # in place and renamed in

@@ -70,7 +70,12 @@ def test_the_jobs_page_names_a_running_job_and_shows_no_queued_one(tmp_path, ray
         assert queued.id not in {j.submission_id for j in client.list_jobs()}
 
         with chromium() as browser:
-            page = browser.new_page(viewport={"width": 1600, "height": 900})
+            context = browser.new_context(viewport={"width": 1600, "height": 900})
+            # What the dashboard keeps once a person has pasted the cluster's token into it.
+            token = Path(ray_cluster.token_file).read_text()
+            context.add_cookies([{"name": "ray-authentication-token", "value": token,
+                                  "url": ray_cluster.dashboard_url}])  # fmt: skip
+            page = context.new_page()
             page.goto(f"{ray_cluster.dashboard_url}/#/jobs")
             row = page.locator("tbody tr", has_text=running.id)
             row.wait_for(timeout=30_000)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,11 +21,13 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli.cmd_cluster import cluster_app
+from orchestrator.cluster.auth import TOKEN_FILE, token_file
 from orchestrator.cluster.local import (
     LocalCluster,
     LocalClusterError,
     LocalClusterInfo,
     embedded_env,
+    use_embedded_env,
 )
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 
@@ -58,8 +63,11 @@ def info(cluster: LocalCluster) -> LocalClusterInfo:
     return running
 
 
-def get_json(url: str) -> object:
-    with NO_PROXY.open(url, timeout=5) as response:
+def get_json(url: str, token: str | None = None) -> object:
+    """A GET with the cluster's token (the embedded cluster demands it)."""
+    request = urllib.request.Request(url)
+    request.add_header("Authorization", f"Bearer {token or token_file().read_text()}")
+    with NO_PROXY.open(request, timeout=5) as response:
         assert response.status == 200
         return json.loads(response.read())
 
@@ -134,6 +142,7 @@ def test_start_refuses_a_second_cluster(cluster: LocalCluster, info: LocalCluste
 def test_job_submission_api_runs_a_job(info: LocalClusterInfo):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    use_embedded_env()  # RAY_AUTH_TOKEN_PATH: what `ray job submit` on this machine needs
     client = JobSubmissionClient(info.dashboard_url)
     # `python` in an entrypoint is the interpreter the cluster runs on, Ray included.
     job_id = client.submit_job(entrypoint="python -c \"import ray; print('hi')\"")
@@ -216,8 +225,31 @@ def test_status_clears_a_stale_state_file(tmp_path: Path):
     assert cluster.stop() is False
 
 
-def test_embedded_env_keeps_clients_on_loopback_without_tokens():
-    assert embedded_env() == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+def test_embedded_env_keeps_clients_on_loopback_and_names_the_token_by_its_file():
+    env = embedded_env()
+    assert env == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+                   "RAY_AUTH_TOKEN_PATH": str(token_file())}  # fmt: skip
+    assert token_file().read_text() not in "".join(env.values())
+    assert stat.S_IMODE(token_file().stat().st_mode) == 0o600
+
+
+def test_the_cluster_refuses_a_request_without_its_token_or_with_another(info):
+    for token, code in ((None, 401), ("not-the-token", 403)):
+        request = urllib.request.Request(f"{info.dashboard_url}/api/jobs/")
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            NO_PROXY.open(request, timeout=5)
+        assert refused.value.code == code
+    assert isinstance(get_json(f"{info.dashboard_url}/api/jobs/"), list)  # with it
+
+
+def test_two_first_uses_at_once_make_one_token(tmp_path: Path):
+    """Two commands starting on a new home at once: one token file, whole, that both use."""
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        paths = list(pool.map(lambda _: token_file(tmp_path), range(8)))
+    assert set(paths) == {tmp_path / TOKEN_FILE}
+    assert len(paths[0].read_text()) == 64 and list(tmp_path.iterdir()) == [paths[0]]
 
 
 def test_a_failed_start_reports_rays_own_message_and_leaves_nothing(tmp_path: Path):
@@ -227,3 +259,16 @@ def test_a_failed_start_reports_rays_own_message_and_leaves_nothing(tmp_path: Pa
     assert "--num-cpus" in str(failure.value)  # the tail of ray-start.log
     assert not cluster.state_file.exists()
     assert cluster.status() is None
+
+
+def test_a_client_given_the_embedded_clusters_address_uses_its_token(home: Path, info):
+    """`--address http://127.0.0.1:PORT` (what `cluster status` prints) reaches the embedded
+    cluster as well as no address does: the client finds the token the cluster started with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env[ORCHESTRATOR_HOME_ENV] = str(home)
+    client = f"connect({info.dashboard_url!r}).client()"
+    code = ("from orchestrator.client.connection import connect; "
+            f"print(type({client}.list_jobs()).__name__)")  # fmt: skip
+    listed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert listed.returncode == 0 and listed.stdout.strip() == "list", listed.stderr

@@ -16,6 +16,7 @@ import pytest
 from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, make_job
 
 from orchestrator.client.api import push
+from orchestrator.cluster.auth import token_file
 from orchestrator.cluster.local import embedded_env
 from orchestrator.lifecycle import JobState
 
@@ -66,12 +67,17 @@ def test_a_printed_secret_appears_nowhere(tmp_path, storage_root, ray_cluster):
 
 
 def assert_nowhere(job_id: str, value: str, storage_root: str, dashboard_url: str) -> None:
-    """Not in the storage root, Ray's job API, `ray job logs` or `orchestrator logs`."""
+    """Not in the storage root, Ray's job API, `ray job logs` or `orchestrator logs`; nor is the
+    cluster's token."""
+    token = token_file().read_text()
     assert files_containing(Path(storage_root), value) == []
-    with urllib.request.urlopen(f"{dashboard_url}/api/jobs/{job_id}") as response:
+    assert files_containing(Path(storage_root), token) == []
+    request = urllib.request.Request(f"{dashboard_url}/api/jobs/{job_id}")
+    request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request) as response:
         api = response.read().decode()
     assert json.loads(api)["submission_id"] == job_id
-    assert value not in api
+    assert value not in api and token not in api  # its runtime_env and metadata included
     ray_logs = subprocess.run(
         [str(Path(sys.executable).parent / "ray"), "job", "logs", job_id,
          "--address", dashboard_url],

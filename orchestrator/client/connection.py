@@ -19,6 +19,7 @@ class Connection:
 
     address: str
     embedded: bool
+    token_file: str | None = None  # the embedded cluster's token (cluster/auth.py)
 
     @property
     def on_this_machine(self) -> bool:
@@ -28,13 +29,24 @@ class Connection:
     def client(self) -> JobSubmissionClient:
         from ray.job_submission import JobSubmissionClient
 
-        if self.embedded:
-            from orchestrator.cluster.local import embedded_env
+        token = self.token_file or (self._embedded_token() if self.on_this_machine else None)
+        if self.embedded or token:
+            from orchestrator.cluster.local import use_embedded_env
 
-            os.environ.update(embedded_env())
+            use_embedded_env(token)
         elif self.on_this_machine:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         return JobSubmissionClient(self.address)
+
+    def _embedded_token(self) -> str | None:
+        """The embedded cluster's token file where `address` is that cluster's (given as an
+        address, from `orchestrator cluster status`)."""
+        from orchestrator.cluster.local import LocalCluster
+
+        info = LocalCluster().recorded()
+        if info is not None and info.dashboard_url == self.address.rstrip("/"):
+            return info.token_file
+        return None
 
 
 def connect(address: str | None = None) -> Connection:
@@ -47,7 +59,7 @@ def connect(address: str | None = None) -> Connection:
     from orchestrator.cluster.local import LocalCluster
 
     info = LocalCluster().ensure_running()
-    return Connection(address=info.dashboard_url, embedded=True)
+    return Connection(address=info.dashboard_url, embedded=True, token_file=info.token_file)
 
 
 def storage(storage_root: str | None = None) -> StorageRoot:

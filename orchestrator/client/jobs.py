@@ -308,7 +308,8 @@ class JobHandle:
         if address is None:
             raise OrchestratorError(f"job {self.id} was not submitted through the Job API")
         if self._ray_client is None:
-            self._ray_client = Connection(address=address, embedded=False).client()
+            embedded = bool(self.record.embedded_cluster)
+            self._ray_client = Connection(address=address, embedded=embedded).client()
         return self._ray_client
 
     def _ray_job_state(self) -> str | None:

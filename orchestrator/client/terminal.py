@@ -61,9 +61,9 @@ def attach(job: Any, rank: int, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
 
     address = ray_client_address(job.record)
     if job.record.embedded_cluster:
-        from orchestrator.cluster.local import embedded_env
+        from orchestrator.cluster.local import use_embedded_env
 
-        os.environ.update(embedded_env())
+        use_embedded_env()
     try:
         ray.init(address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
     except Exception as e:

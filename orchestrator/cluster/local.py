@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from orchestrator.cluster.auth import token_file, use_token
 from orchestrator.cluster.processes import (
     POLL_INTERVAL_S,
     answers,
@@ -35,7 +36,7 @@ from orchestrator.errors import LocalClusterError
 from orchestrator.home import orchestrator_home
 
 __all__ = ["CLUSTER_ENV", "LOOPBACK", "LocalCluster", "LocalClusterInfo", "embedded_env",
-           "ray_start_command"]  # fmt: skip
+           "ray_start_command", "use_embedded_env"]  # fmt: skip
 
 
 _STATE_FILE = "cluster.json"
@@ -60,10 +61,22 @@ def embedded_env() -> dict[str, str]:
     """Environment every process talking to the embedded cluster needs (the cluster's own too).
 
     Without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 Ray replaces 127.0.0.1 by the machine's interface
-    address and clients hang; Ray 2.60 turns token auth on for local clusters, which a cluster that
-    only listens on loopback does not need.
+    address and clients hang. Token authentication is on: loopback is shared by every user and
+    process of the machine, a job's code among them (cluster/auth.py); the token is named by
+    its file, never its value.
     """
-    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token_file())}  # fmt: skip
+
+
+def use_embedded_env(token: str | None = None) -> None:
+    """This process as a client of the embedded cluster (`embedded_env` in os.environ), whose
+    token is in the file `token` (default: this home's)."""
+    env = embedded_env()
+    if token:
+        env["RAY_AUTH_TOKEN_PATH"] = token
+    use_token(Path(env["RAY_AUTH_TOKEN_PATH"]))
+    os.environ.update(env)
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,7 @@ class LocalClusterInfo:
     pid: int  # our `ray start --head --block` process
     temp_dir: str | None
     client_address: str | None = None  # "ray://127.0.0.1:<port>": Ray Client (`shell`'s terminal)
+    token_file: str | None = None  # its token's file (cluster/auth.py); None: started without
 
 
 class LocalCluster:
@@ -92,6 +106,13 @@ class LocalCluster:
         """The recorded cluster if it is alive and its dashboard answers; clears a stale record."""
         with self._locked():
             return self._status_locked()
+
+    def recorded(self) -> LocalClusterInfo | None:
+        """The cluster as recorded, without asking whether it still runs (cheap)."""
+        with contextlib.suppress(OSError, ValueError):
+            state = json.loads(self.state_file.read_text())
+            return _info_from_state(state) if isinstance(state, dict) else None
+        return None
 
     def ensure_running(
         self,
@@ -139,7 +160,7 @@ class LocalCluster:
             process = recorded_process(state)
             info = _info_from_state(state)
             if process is not None and info is not None:
-                _stop_jobs(info.dashboard_url, timeout)
+                _stop_jobs(info, timeout)
             self.state_file.unlink(missing_ok=True)
             if process is None:
                 return False
@@ -157,7 +178,7 @@ class LocalCluster:
         if (
             info is not None
             and recorded_process(state) is not None
-            and dashboard_answers(info.dashboard_url)
+            and dashboard_answers(info.dashboard_url, _token(info))
         ):
             return info
         self.state_file.unlink(missing_ok=True)
@@ -219,6 +240,7 @@ class LocalCluster:
             pid=process.pid,
             temp_dir=temp_dir,
             client_address=f"ray://{LOOPBACK}:{client_port}",
+            token_file=env["RAY_AUTH_TOKEN_PATH"],
         )
         # Record it before waiting, so a CLI killed mid-start leaves a cluster we can still stop.
         self._write_state(info, psutil.Process(process.pid).create_time())
@@ -244,7 +266,7 @@ class LocalCluster:
             ("/api/jobs/", answers),
             ("/nodes?view=summary", has_a_node),
         ):
-            while not ready(info.dashboard_url + path):
+            while not ready(info.dashboard_url + path, _token(info)):
                 if process.poll() is not None:
                     tail = self._log_tail()
                     if "already occupied" in tail or "already in use" in tail:
@@ -299,6 +321,14 @@ class _PortTakenError(Exception):
     """A port we picked was taken before Ray could bind it."""
 
 
+def _token(info: LocalClusterInfo) -> str | None:
+    """The cluster's token, from the file it was started with."""
+    try:
+        return Path(info.token_file).read_text().strip() if info.token_file else None
+    except OSError:
+        return None
+
+
 def _info_from_state(state: dict[str, object]) -> LocalClusterInfo | None:
     try:
         return LocalClusterInfo(
@@ -307,16 +337,18 @@ def _info_from_state(state: dict[str, object]) -> LocalClusterInfo | None:
             pid=int(state["pid"]),  # type: ignore[call-overload]
             temp_dir=str(state["temp_dir"]) if state.get("temp_dir") else None,
             client_address=str(state["client_address"]) if state.get("client_address") else None,
+            token_file=str(state["token_file"]) if state.get("token_file") else None,
         )
     except (KeyError, TypeError, ValueError):
         return None
 
 
-def _stop_jobs(dashboard_url: str, timeout: float) -> None:
+def _stop_jobs(info: LocalClusterInfo, timeout: float) -> None:
     """Ask every unfinished Ray job to stop, and wait (up to `timeout`) for them to end."""
-    os.environ.update(embedded_env())
+    use_embedded_env(info.token_file)
     from ray.job_submission import JobSubmissionClient
 
+    dashboard_url = info.dashboard_url
     try:
         client = JobSubmissionClient(dashboard_url)
         active = [j.submission_id for j in client.list_jobs()

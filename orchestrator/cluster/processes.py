@@ -35,10 +35,14 @@ def recorded_process(state: dict[str, object]) -> psutil.Process | None:
         return None
 
 
-def get_json(url: str, timeout: float = 2) -> object | None:
-    """The decoded JSON body of a 2xx answer, or None if there was no such answer."""
+def get_json(url: str, timeout: float = 2, token: str | None = None) -> object | None:
+    """The decoded JSON body of a 2xx answer, or None if there was no such answer. `token`:
+    the cluster's (Ray's token authentication), sent as a bearer token."""
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with _HTTP.open(url, timeout=timeout) as response:
+        with _HTTP.open(request, timeout=timeout) as response:
             if not 200 <= response.status < 300:
                 return None
             return json.loads(response.read() or b"null")
@@ -46,20 +50,20 @@ def get_json(url: str, timeout: float = 2) -> object | None:
         return None
 
 
-def answers(url: str) -> bool:
-    return get_json(url) is not None
+def answers(url: str, token: str | None = None) -> bool:
+    return get_json(url, token=token) is not None
 
 
-def has_a_node(url: str) -> bool:
-    body = get_json(url)
+def has_a_node(url: str, token: str | None = None) -> bool:
+    body = get_json(url, token=token)
     try:
         return bool(body["data"]["summary"])  # type: ignore[index]
     except (KeyError, TypeError):
         return False
 
 
-def dashboard_answers(dashboard_url: str) -> bool:
-    return answers(dashboard_url + "/api/version")
+def dashboard_answers(dashboard_url: str, token: str | None = None) -> bool:
+    return answers(dashboard_url + "/api/version", token)
 
 
 def terminate(

@@ -1,0 +1,58 @@
+"""The embedded cluster's token: Ray's token authentication on, so that nothing on this machine
+(another user, a job's code in its container, a browser page) reaches the cluster's Job API,
+dashboard, GCS or Ray Client without it.
+
+The token is a file in $ORCHESTRATOR_HOME, readable by its owner only, made on first use. Ray's
+processes and our clients find it through RAY_AUTH_TOKEN_PATH, so its value never appears in an
+environment, a command line, a runtime_env or a record. One token per home: every embedded
+cluster started from it (and every client of them) shares it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from orchestrator.home import orchestrator_home
+
+TOKEN_FILE = "ray-auth-token"
+
+
+def token_file(home: Path | None = None) -> Path:
+    """The home's token file, made (0600, whole) if it is not there yet."""
+    path = (home or orchestrator_home()) / TOKEN_FILE
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # the first of two racing commands wins; the other reads its token
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return path
+
+
+def use_token(path: Path) -> None:
+    """Make this process a client of a cluster whose token is `path`: Ray reads the token once
+    per process, so a change of file (another home) is told to Ray's loader."""
+    if (os.environ.get("RAY_AUTH_TOKEN_PATH"), os.environ.get("RAY_AUTH_MODE")) == (
+        str(path),
+        "token",
+    ):
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+    if "ray._raylet" in sys.modules:  # Ray read its settings already (at import)
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")  # the mode is cached with Ray's config
+        AuthenticationTokenLoader.instance().reset_cache()
