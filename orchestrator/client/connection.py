@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -34,6 +35,10 @@ class Connection:
             from orchestrator.cluster.local import use_embedded_env
 
             use_embedded_env(token)
+        elif os.environ.get("RAY_AUTH_MODE") == "token" and os.environ.get("RAY_AUTH_TOKEN_PATH"):
+            from orchestrator.cluster.auth import use_token
+
+            use_token(Path(os.environ["RAY_AUTH_TOKEN_PATH"]))  # the one named now, for Ray
         elif self.on_this_machine:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         return JobSubmissionClient(self.address)

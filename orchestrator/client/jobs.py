@@ -161,7 +161,8 @@ class JobHandle:
                 except Exception as e:
                     raise OrchestratorError(f"could not stop job {self.id}: {e}") from e
                 state = self.wait(timeout)
-            event["detail"] = f"ended {state.value}"
+            event["detail"] = (f"ended {state.value}" if state.is_terminal
+                               else f"still {state.value} after {timeout:g} s")  # fmt: skip
         return state
 
     def attempts(self) -> list[Attempt]:

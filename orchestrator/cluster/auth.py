@@ -41,18 +41,19 @@ def token_file(home: Path | None = None) -> Path:
     return path
 
 
+_told: str | None = None  # the token file Ray's loader in this process was last pointed at
+
+
 def use_token(path: Path) -> None:
-    """Make this process a client of a cluster whose token is `path`: Ray reads the token once
-    per process, so a change of file (another home) is told to Ray's loader."""
-    if (os.environ.get("RAY_AUTH_TOKEN_PATH"), os.environ.get("RAY_AUTH_MODE")) == (
-        str(path),
-        "token",
-    ):
-        return
+    """Make this process a client of a cluster whose token is `path`. Ray reads the mode and
+    the token once per process, so another file than the one Ray was last told of (another
+    home, or the environment changed under us) is told to Ray's config and token loader."""
+    global _told
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
-    if "ray._raylet" in sys.modules:  # Ray read its settings already (at import)
+    if _told != str(path) and "ray._raylet" in sys.modules:  # Ray read its settings at import
         from ray._raylet import AuthenticationTokenLoader, Config
 
         Config.initialize("")  # the mode is cached with Ray's config
         AuthenticationTokenLoader.instance().reset_cache()
+    _told = str(path)

@@ -46,8 +46,13 @@ def event_path(at: float) -> str:
 
 def append(root: StorageRoot, event: AuditEvent) -> None:
     """Record `event` (created, never replacing another)."""
-    while not root.create_json(event_path(event.at), event.model_dump(exclude_none=True)):
-        pass  # the same microsecond and the same 48 random bits: take another name
+    body = event.model_dump(exclude_none=True)
+    while True:
+        path = event_path(event.at)
+        # Not created: ours already (a retried put whose first reply was lost), or another
+        # event's (the same microsecond and 48 random bits), then under another name.
+        if root.create_json(path, body) or root.read_json(path) == body:
+            return
 
 
 def read(
