@@ -63,7 +63,8 @@ def python_image() -> str:
 
 
 def _distributions() -> list[importlib.metadata.Distribution]:
-    """PACKAGES and what they require here (not their extras), as installed here."""
+    """PACKAGES and what they require on this platform, with the extras a requirement names,
+    as installed here."""
     found: dict[str, importlib.metadata.Distribution] = {}
     todo: list[tuple[str, frozenset[str]]] = [(name, frozenset()) for name in PACKAGES]
     done: set[tuple[str, frozenset[str]]] = set()

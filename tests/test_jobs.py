@@ -136,13 +136,22 @@ def test_stop_ends_the_processes_and_removes_the_placement_group(
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the training process outlived stop"
         time.sleep(0.2)
+
+    # The controller records STOPPED, then gives the nodes back: they are free soon after.
     # Filtered by name: a session's cluster holds more than the state API's default 100 rows.
-    ours = list_placement_groups(address=ray_cluster.dashboard_url, detail=True,
-                                 filters=[("name", "=", f"orchestrator-{job.id}")])  # fmt: skip
-    assert ours and all(g.state == "REMOVED" for g in ours)
-    ours = list_actors(address=ray_cluster.dashboard_url, detail=True,
-                       filters=[("name", "=", f"orchestrator-{job.id}-rank-0")])  # fmt: skip
-    assert ours and all(a.state == "DEAD" for a in ours)
+    def released() -> bool:
+        address, name = ray_cluster.dashboard_url, f"orchestrator-{job.id}"
+        groups = list_placement_groups(address=address, detail=True,
+                                       filters=[("name", "=", name)])  # fmt: skip
+        agents = list_actors(address=address, detail=True,
+                             filters=[("name", "=", f"{name}-rank-0")])  # fmt: skip
+        return (
+            bool(groups and agents)
+            and all(g.state == "REMOVED" for g in groups)
+            and all(a.state == "DEAD" for a in agents)
+        )
+
+    eventually(released, "the placement group removed and the agent gone", 30)
     assert job.details().history[-1].reason == "stopped by user"
     scratch = next(line for line in job.logs() if "SCRATCH " in line).split("SCRATCH ")[1]
     assert not Path(scratch).exists(), "scratch must be deleted after a stop"

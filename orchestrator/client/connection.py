@@ -31,14 +31,19 @@ class Connection:
         from ray.job_submission import JobSubmissionClient
 
         token = self.token_file or (self._embedded_token() if self.on_this_machine else None)
+        named = (
+            os.environ.get("RAY_AUTH_TOKEN_PATH")
+            if os.environ.get("RAY_AUTH_MODE") == "token"
+            else None
+        )
         if self.embedded or token:
             from orchestrator.cluster.local import use_embedded_env
 
             use_embedded_env(token)
-        elif os.environ.get("RAY_AUTH_MODE") == "token" and os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        elif self.on_this_machine and named:  # a cluster of this machine started with a token
             from orchestrator.cluster.auth import use_token
 
-            use_token(Path(os.environ["RAY_AUTH_TOKEN_PATH"]))  # the one named now, for Ray
+            use_token(Path(named))  # the file named now, for Ray's per-process loader
         elif self.on_this_machine:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         return JobSubmissionClient(self.address)
