@@ -1,12 +1,14 @@
 """Job images built here, offline, from what this machine already has: no registry on the internet
-is reached, and no Ray is put in them (a job's image needs none: our agents stay on the host).
+is reached. A job's image needs no Ray (our agents stay on the host); the Python one has it all
+the same, for a job that tries to reach the cluster with its own client (test_containers.py's
+attack).
 
 - `busybox_image`: Debian's static busybox and its applets: a shell and nothing else.
 - `python_image`: this interpreter (its standard library), bash, and the packages a recipe needs
-  with their dependencies (torch from its CPU wheel, scikit-learn, pip), copied from this
-  environment, with the system libraries their binaries link against. What the mnist recipe needs,
-  and about 1 GB: built once per machine, reused while what went into it is unchanged (its tag is
-  a digest of that).
+  with their dependencies (torch from its CPU wheel, scikit-learn, pip; Ray and grpcio), copied
+  from this environment, with the system libraries their binaries link against. What the mnist
+  recipe needs, and about 1.4 GB: built once per machine (30 s), reused while what went into it
+  is unchanged (its tag is a digest of that).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from orchestrator.node import podman
 
 BUSYBOX = "localhost/orchestrator-tests/busybox:1"
 PYTHON = "localhost/orchestrator-tests/python-torch"
-PACKAGES = ("torch", "scikit-learn", "pip")
+PACKAGES = ("torch", "scikit-learn", "pip", "ray", "grpcio")
 # Parts of the standard library no job needs, and the bulk of it.
 _STDLIB_LEFT_OUT = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "site-packages"}
 

@@ -10,6 +10,8 @@ ORCHESTRATOR_SKIP_CONTAINER_TESTS=1 skips these tests instead.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -39,6 +41,7 @@ pytestmark = pytest.mark.cluster  # starts a Ray cluster of its own
 
 IMAGE = images.BUSYBOX
 SECRET_NAME, SECRET_VALUE = "container_token", "ctr-s3cr3t-91f4"
+CLUSTER: dict[str, str] = {}  # the container cluster's GCS address, Ray Client and session dir
 
 
 def _need_tools() -> None:
@@ -82,6 +85,8 @@ def container_cluster(
         cluster.add_node(num_cpus=2)
         cluster.add_node(num_cpus=1, num_gpus=1, resources={"accelerator_type:H100": 1})
         cluster.wait_for_nodes()
+        CLUSTER.update(gcs=cluster.address, client=node_env["ORCHESTRATOR_RAY_CLIENT_ADDRESS"],
+                       session=cluster.head_node.get_session_dir_path())  # fmt: skip
         yield address
     finally:
         cluster.shutdown()
@@ -653,3 +658,156 @@ def test_a_nodes_puller_pulls_once_says_how_and_leaves_a_refusal_to_the_agent(
         assert not podman.exists(image)
     finally:
         images.podman_cli("rmi", image)
+
+
+ATTACK = Path(__file__).with_name("attack_job.py")
+BLUE_SECRET, BLUE_VALUE = "blue_key", "blue-k3y-70c2e9a4"
+# Blue's job: its files in each of its directories, then it waits for the word to end, and ends
+# saying whether they are as it left them.
+BLUE_COMMAND = (
+    "for d in $PWD $BT_CHECKPOINT_DIR/checkpoint-1 $BT_PROJECT_CACHE_DIR $BT_TEAM_CACHE_DIR; "
+    "do mkdir -p $d && echo blue > $d/mine; done; echo ready; "
+    "while [ ! -e /tmp/go ]; do sleep 0.1; done; "
+    "for d in $PWD $BT_CHECKPOINT_DIR $BT_LOAD_CHECKPOINT_DIR $BT_PROJECT_CACHE_DIR "
+    "$BT_TEAM_CACHE_DIR; do ls -aR $d; done | grep attack || echo no stranger files; "
+    "echo files $(cat $PWD/mine $BT_CHECKPOINT_DIR/checkpoint-1/mine $BT_PROJECT_CACHE_DIR/mine "
+    "$BT_TEAM_CACHE_DIR/mine $BT_LOAD_CHECKPOINT_DIR/*/checkpoint-1/w)"
+)
+
+
+def _team_job(directory: Path, team: str, project: str, image: str, commands: list[str],
+              runtime: str = "", memory: str = "256Mi", files: dict[str, str] | None = None,
+              ) -> Path:  # fmt: skip
+    return make_job(
+        directory,
+        f"""
+        from truss_train import definitions as d
+        project = d.TrainingProject(
+            name={project!r},
+            team_name={team!r},
+            job=d.TrainingJob(
+                image=d.Image(base_image={image!r}),
+                compute=d.Compute(cpu_count=1, memory={memory!r}),
+                runtime=d.Runtime(start_commands={commands!r}, {runtime}),
+            ),
+        )
+        """,
+        files,
+    )
+
+
+def _descendants(pid: int) -> list[int]:
+    """`pid` and every process under it, by parent pid."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found = [pid]
+    for child, parent in sorted(parents.items()):
+        if parent in found:
+            found.append(child)
+    return found
+
+
+def _attacks(lines: list[str]) -> dict[str, tuple[bool, str]]:
+    results = {}
+    for line in lines:
+        if "ATTACK " in line and ": " in line:
+            name, verdict = line.split("ATTACK ", 1)[1].split(": ", 1)
+            results[name] = (verdict.startswith("SUCCEEDED"), verdict)
+    return results
+
+
+def test_another_teams_job_reaches_nothing_of_a_running_job_which_completes_untouched(
+    container_cluster, python_image, tmp_path
+):
+    """Team red's start command tries, against team blue's running job, all a hostile job
+    could (tests/attack_job.py), knowing all but the cluster's token: 0 attempts succeed, and
+    blue's job completes as if red had never run. The same attacks from the host, where Ray's
+    processes live, succeed: the test can tell."""
+    from orchestrator.node.node_root import node_root
+    from orchestrator.storage.secret_store import FileSecretStore, default_secrets_dir
+
+    root = str(tmp_path / "storage")
+    store = FileSecretStore()
+    store.set(BLUE_SECRET, BLUE_VALUE, team="blue")
+    try:
+        seed = push(_team_job(tmp_path / "seed", "blue", "blue-seed", IMAGE, [
+            "mkdir -p $BT_CHECKPOINT_DIR/checkpoint-1 && echo seeded > "
+            "$BT_CHECKPOINT_DIR/checkpoint-1/w"], "checkpointing_config=d.CheckpointingConfig("
+            "enabled=True)"), address=container_cluster, storage_root=root)  # fmt: skip
+        assert seed.wait(timeout=120) == JobState.COMPLETED, seed.logs()
+        blue = push(_team_job(tmp_path / "blue", "blue", "blue-model", IMAGE, [BLUE_COMMAND], (
+            "checkpointing_config=d.CheckpointingConfig(enabled=True), "
+            "cache_config=d.CacheConfig(enabled=True), "
+            f"environment_variables={{'KEY': d.SecretReference(name={BLUE_SECRET!r})}}, "
+            "load_checkpoint_config=d.LoadCheckpointConfig(enabled=True, checkpoints=["
+            "d.BasetenCheckpoint.from_latest_checkpoint(project_name='blue-seed')])"
+        )), address=container_cluster, storage_root=root)  # fmt: skip
+        eventually(lambda: any(line.endswith("] ready") for line in blue.logs()), "ready", 120)
+
+        # All red could learn of blue's job but the token: where everything is, on the node and
+        # the head, and the pids of blue's processes.
+        name = actor_names.node_agent(blue.id, 0)
+        inspect = images.podman_cli("inspect", name)
+        assert inspect.returncode == 0, inspect.stderr
+        assert BLUE_VALUE not in inspect.stdout and token_file().read_text() not in inspect.stdout
+        facts = json.loads(inspect.stdout)[0]
+        binds = {f"b:{m['Destination']}": m["Source"] for m in facts["Mounts"]}
+        assert len(binds) == 3, binds  # the rank's directory (code, checkpoints), two caches
+        targets = {
+            "job": blue.id, "team": "blue", "secret": BLUE_SECRET, "gcs": CLUSTER["gcs"],
+            "client": CLUSTER["client"], "dashboard": container_cluster,
+            "token_files": [str(token_file())], "pids": _descendants(facts["State"]["Pid"]),
+            "paths": {**binds, "ray session dir": CLUSTER["session"],
+                      "secret store": str(default_secrets_dir()),
+                      "shared:node root": str(node_root()), "shared:storage root": root,
+                      "shared:orchestrator home": os.environ["ORCHESTRATOR_HOME"]},
+        }  # fmt: skip
+        red = push(_team_job(tmp_path / "red", "red", "red-probe", python_image,
+                             ["python3 attack_job.py targets.json"], memory="2Gi",
+                             files={"attack_job.py": ATTACK.read_text(),
+                                    "targets.json": json.dumps(targets)}),
+                   address=container_cluster, storage_root=root)  # fmt: skip
+        assert red.wait(timeout=300) == JobState.COMPLETED, red.logs()[-30:]
+        lines = red.logs()
+        assert any(line.endswith("] ATTACKS DONE") for line in lines), lines[-30:]
+        attacks = _attacks(lines)
+        expected = {"token", "ray-gcs", "ray-client", "ray-gcs-guessed-token", "grpc", "job-api",
+                    "job-api-stop", "metrics", "proc", "signal", "podman",
+                    *(f"files {label}" for label in targets["paths"])}  # fmt: skip
+        assert set(attacks) == expected, sorted(attacks)
+        # Only the node's metrics: Prometheus's text, unauthenticated as Prometheus scrapes it
+        # (docs/secrets.md), where blue's job id labels the numbers of its ranks.
+        assert [n for n, (won, _) in attacks.items() if won] == ["metrics"], "\n".join(lines)
+        assert "for want of a token" in attacks["grpc"][1]  # the scan found Ray's services
+        text = "\n".join(lines)
+        for value in (BLUE_VALUE, token_file().read_text()):
+            assert value not in text
+            assert hashlib.sha256(value.encode()).hexdigest()[:12] not in text
+
+        # The control: the same attacks from the host, as a process of the node (with Ray's
+        # token in its environment, as Ray's workers have it) succeed.
+        (tmp_path / "host.json").write_text(json.dumps({**targets, "harmless": True}))
+        host = subprocess.run([sys.executable, str(ATTACK), str(tmp_path / "host.json")],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        from_host = _attacks(host.stdout.splitlines())
+        won = {n for n, (w, _) in from_host.items() if w}
+        assert won >= expected - {"ray-gcs-guessed-token", "job-api-stop"} - {
+            f"files {label}" for label in targets["paths"] if label.startswith("shared:")
+            and label != "shared:node root"}, host.stdout + host.stderr[-2000:]  # fmt: skip
+        assert not from_host["ray-gcs-guessed-token"][0]  # Ray checks the token, not its presence
+        fingerprint = hashlib.sha256(BLUE_VALUE.encode()).hexdigest()[:12]
+        assert f"{BLUE_SECRET}: {fingerprint}" in from_host["ray-gcs"][1]
+
+        # Blue, told to end, finds its files as it left them and completes.
+        assert blue.exec("touch /tmp/go")[0] == 0
+        assert blue.wait(timeout=120) == JobState.COMPLETED, blue.logs()[-20:]
+        printed = [line.split("] ", 1)[-1] for line in blue.logs()]
+        assert "no stranger files" in printed, printed
+        assert "files blue blue blue blue seeded" in printed, printed
+        assert [m.name for m in blue.checkpoints()] == ["checkpoint-1"]
+    finally:
+        store.delete(BLUE_SECRET, team="blue")
