@@ -267,8 +267,29 @@ def test_every_ray_start_gets_the_storage_root_path_and_secrets(
     assert float(seen[SCHEDULING_TIMEOUT_ENV]) >= 600
     assert seen[secret] == "not-a-real-token"
     assert seen[settings.JOB_RUNTIME.name] == "container"
+    assert seen["RAY_AUTH_MODE"] == "token"  # its token: ~/.ray/auth_token, Ray's default place
+    assert not any(key.startswith("RAY_AUTH_TOKEN") for key in seen)
     assert (home / "ray-stop.env").exists()
     assert ". ~/orchestrator.env" in (home / ".bashrc").read_text()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_every_node_gets_the_laptops_token_readable_by_its_user_only(
+    raw: dict[str, Any], tmp_path: Path
+) -> None:
+    """`ray get-auth-token --generate` on the laptop writes ~/.ray/auth_token; file_mounts puts
+    it at Ray's default place on every node (workers get the head's file_mounts), where the
+    setup commands leave it to its owner alone (rsync keeps the laptop's mode)."""
+    assert raw["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    token = tmp_path / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("a-token")
+    token.chmod(0o644)
+    chmod = [c for c in raw["setup_commands"] if "auth_token" in c]
+    assert len(chmod) == 1
+    subprocess.run(["bash", "-c", chmod[0]], env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                   check=True)  # fmt: skip
+    assert token.stat().st_mode & 0o777 == 0o600
 
 
 def test_every_node_gets_podman_and_a_cdi_spec_of_its_gpus_where_it_has_some(

@@ -55,6 +55,49 @@ def test_ray_job_submit_runs_the_job_inside_that_ray_job(tmp_path, storage_root,
     assert states == [JobState.CREATED, JobState.DEPLOYING, JobState.RUNNING, JobState.COMPLETED]
 
 
+def test_a_laptop_with_the_clusters_token_in_rays_default_place_pushes_and_one_without_is_told(
+    tmp_path, storage_root, ray_cluster
+):
+    """cluster.yaml's way: the token in ~/.ray/auth_token and RAY_AUTH_MODE=token, nothing of
+    ours (another home, no RAY_AUTH_TOKEN_PATH). `orchestrator push` and `ray job` work; with
+    no token, or another, each says so in one line."""
+    config = make_job(tmp_path / "job", HELLO, {"hello.py": "print('hello from a laptop')\n"})
+    laptop = tmp_path / "laptop"
+    (laptop / ".ray").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(HOME=str(laptop), RAY_ADDRESS=ray_cluster.dashboard_url, RAY_AUTH_MODE="token")
+    env[ORCHESTRATOR_HOME_ENV] = str(laptop / ".orchestrator")
+
+    def cli(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator", *args], capture_output=True,
+                              text=True, timeout=180, env={**env, **extra})  # fmt: skip
+
+    token = Path(ray_cluster.token_file).read_text()
+    refusals = {
+        "": "demands a token and this client has none (~/.ray/auth_token is missing or empty)",
+        "x" * 64: "refused this client's token (~/.ray/auth_token): it is not the cluster's",
+    }
+    for content, said in refusals.items():
+        (laptop / ".ray" / "auth_token").write_text(content)
+        refused = cli("push", str(config), "--storage-root", storage_root)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        line = " ".join(refused.stderr.split())
+        assert line == f"error: the Ray cluster at {ray_cluster.dashboard_url} {said}; put the " \
+            "cluster's token there", refused.stderr  # fmt: skip
+    refused = cli("push", str(config), "--storage-root", storage_root, RAY_AUTH_MODE="disabled")
+    assert "demands a token: export RAY_AUTH_MODE=token" in " ".join(refused.stderr.split())
+
+    (laptop / ".ray" / "auth_token").write_text(token)
+    pushed = cli("push", str(config), "--storage-root", storage_root, "--tail")
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    assert "hello from a laptop" in pushed.stdout
+    listed = subprocess.run([RAY, "job", "list", "--address", ray_cluster.dashboard_url],
+                            capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    job_id = pushed.stdout.split("pushed job ")[1].split()[0]
+    assert job_id in listed.stdout
+
+
 def test_cli_push_tail_runs_the_mnist_recipe_to_completed(storage_root, ray_cluster):
     result = subprocess.run(
         [sys.executable, "-m", "orchestrator", "push", str(MNIST), "--tail",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -32,6 +33,7 @@ from orchestrator.cli.cmd_checkpoints import checkpoints_app
 from orchestrator.cli.cmd_cluster import cluster_app
 from orchestrator.cli.cmd_deployments import deployments_app
 from orchestrator.cli.cmd_secrets import secrets_app
+from orchestrator.cluster.auth import refusal
 from orchestrator.errors import ConfigError, OrchestratorError
 
 app = typer.Typer(
@@ -75,6 +77,12 @@ def main() -> None:
         sys.exit(2)
     except OrchestratorError as e:
         _print_error(e)
+        sys.exit(1)
+    except Exception as e:
+        refused = refusal(e, os.environ.get("RAY_ADDRESS"))  # any verb: one line, no traceback
+        if refused is None:
+            raise
+        _print_error(OrchestratorError(refused))
         sys.exit(1)
 
 

@@ -15,6 +15,7 @@ from orchestrator import settings
 from orchestrator.client.connection import Connection
 from orchestrator.client.prepare import PreparedJob
 from orchestrator.client.workspace import write_archive
+from orchestrator.cluster.auth import refusal
 from orchestrator.errors import OrchestratorError, SubmitError
 from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.entries import entry_for
@@ -351,6 +352,9 @@ def while_head_starts(address: str, call: Callable[[], T]) -> T:
         try:
             return call()
         except Exception as e:
+            refused = refusal(e, address)
+            if refused:
+                raise SubmitError(refused) from e
             reason = _one_line(e)
             if not _not_ready(e):
                 raise SubmitError(f"submitting to Ray at {address} failed: {reason}") from e

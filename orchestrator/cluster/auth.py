@@ -57,3 +57,35 @@ def use_token(path: Path) -> None:
         Config.initialize("")  # the mode is cached with Ray's config
         AuthenticationTokenLoader.instance().reset_cache()
     _told = str(path)
+
+
+# Ray's words: the server's 401 and 403, and its client finding no token to send.
+_REFUSALS = ("Authentication required", "Authentication failed", "couldn't find an authentication")
+
+
+def refusal(error: BaseException, address: str | None = None) -> str | None:
+    """One line for a cluster's refusal of this client's token (none, or not the cluster's),
+    saying where this client looked; None for any other error. Ray's own message is a paragraph
+    of advice for its own CLI."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        if any(m in text for m in _REFUSALS):
+            break
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    else:
+        return None
+    where = f"the Ray cluster at {address}" if address else "the Ray cluster"
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        source = "RAY_AUTH_TOKEN"
+    else:
+        source = os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token"
+    if "Authentication failed" in text:
+        return (f"{where} refused this client's token ({source}): it is not the cluster's; "
+                "put the cluster's token there")  # fmt: skip
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        return (f"{where} demands a token: export RAY_AUTH_MODE=token and put the cluster's "
+                "token in ~/.ray/auth_token (or name its file in RAY_AUTH_TOKEN_PATH)")  # fmt: skip
+    return (f"{where} demands a token and this client has none ({source} is missing or "
+            "empty); put the cluster's token there")  # fmt: skip
