@@ -100,7 +100,7 @@ def _secret_env(name: str) -> str:
 
 def image_job(
     directory: Path, commands: list[str], checkpoints: bool = False, accelerator: str | None = None,
-    image: str = IMAGE, auth: str = "None", nodes: int = 1, session: str = "None",
+    image: str = IMAGE, auth: str = "None", nodes: int = 1, session: str = "None", cpus: int = 1,
 ) -> Path:  # fmt: skip
     return make_job(
         directory,
@@ -110,7 +110,7 @@ def image_job(
             name="in-a-container",
             job=d.TrainingJob(
                 image=d.Image(base_image={image!r}, docker_auth={auth}),
-                compute=d.Compute(cpu_count=1, memory="256Mi", accelerator={accelerator!r},
+                compute=d.Compute(cpu_count={cpus}, memory="256Mi", accelerator={accelerator!r},
                                   node_count={nodes}),
                 runtime=d.Runtime(
                     start_commands={commands!r},
@@ -459,6 +459,36 @@ def test_jobs_and_ranks_asking_for_one_new_image_at_once_pull_it_once(
         alive = list_actors(address=container_cluster, filters=[("state", "=", "ALIVE")])
         assert any(a.name.startswith("orchestrator-image-puller-") for a in alive)
     finally:
+        images.podman_cli("rmi", image)
+
+
+def test_a_job_waiting_in_the_queue_finds_its_image_pulled_when_it_starts(
+    container_cluster, registry, tmp_path
+):
+    """The one node with 2 CPUs is busy; a job of 2 CPUs with a private image waits in the
+    queue, and that node pulls its image meanwhile: once admitted, the job finds it there."""
+    image = registry.push(IMAGE, f"shared/waiting-{tmp_path.name[-12:]}:1")
+    assert not podman.exists(image)
+    root = str(tmp_path / "storage")
+    blocker = push(image_job(tmp_path / "blocker", [
+        "echo blocking; while [ ! -e /tmp/go ]; do sleep 0.1; done"], cpus=2),
+        address=container_cluster, storage_root=root)  # fmt: skip
+    try:
+        eventually(lambda: any(line.endswith("] blocking") for line in blocker.logs()),
+                   "the blocker running", 120)  # fmt: skip
+        auth = registry_auth(registry, "registry_login")
+        waiter = push(image_job(tmp_path / "waiter", ["echo ran"], image=image, auth=auth,
+                                cpus=2), address=container_cluster, storage_root=root)  # fmt: skip
+        eventually(lambda: podman.exists(image), "the waiting job's image on the node", 60)
+        assert waiter.status() == JobState.PENDING  # pulled while it waited
+
+        assert blocker.exec("touch /tmp/go")[0] == 0
+        assert blocker.wait(timeout=120) == JobState.COMPLETED
+        assert waiter.wait(timeout=120) == JobState.COMPLETED, waiter.logs()
+        said = [line for line in waiter.logs() if f": image {image}: " in line]  # the ranks'
+        assert said and all(line.endswith(": on this node already") for line in said), said
+    finally:
+        blocker.stop(timeout=60)
         images.podman_cli("rmi", image)
 
 

@@ -1,5 +1,6 @@
 """A node's image puller: a job's image pulled onto each of its nodes as soon as they are
-chosen, while the job's agents' workers start there, not after.
+chosen, while the job's agents' workers start there, not after; and, asked by the queue service,
+the image of a job that waits in the queue and could start here, before it is admitted.
 
 One per node, started on first use and kept (as the weight cache is), so a node's later jobs do
 not wait for its worker to start either. It pulls through the node's image cache
@@ -17,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from orchestrator import actor_names
+from orchestrator import actor_names, settings
 from orchestrator.agents.services import actor_alive, shared_actor
 from orchestrator.node import podman
 from orchestrator.node.image_cache import ImageCache
@@ -58,6 +59,31 @@ class ImagePuller:
         threading.Thread(target=pull, name="image-pull", daemon=True).start()
         while (line := lines.get()) is not None:
             yield line
+
+    def prefetch(
+        self, image: str, job_id: str, registry: str | None = None,
+        secret_name: str | None = None, team: str | None = None,
+    ) -> bool:  # fmt: skip
+        """Start pulling `image` for a job that waits in the queue and could start here (the
+        queue service asks); whether it is pulled or on its way. Nothing on a node whose jobs
+        run on the host. A failure is left to the job's own pull, which says why."""
+        if settings.JOB_RUNTIME.get() != "container":
+            return False
+        if (layer := self._found.get(image)) and os.path.isdir(layer):
+            return True
+
+        def pull() -> None:
+            with contextlib.suppress(Exception):
+                credentials = None
+                if registry and secret_name:
+                    credentials = (registry, resolve_secret(secret_name, team))
+                # Held by no live agent: a later pull's eviction may take it before the job
+                # starts, and the job's own pull brings it back.
+                ImageCache(alive=actor_alive).ensure(image, f"queued:{job_id}", credentials)
+                self._remember(image)
+
+        threading.Thread(target=pull, name="image-prefetch", daemon=True).start()
+        return True
 
     def _remember(self, image: str) -> None:
         if (layer := podman.storage_dir(image)) != "/":

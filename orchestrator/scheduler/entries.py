@@ -11,6 +11,8 @@ from orchestrator.storage.records import JobRecord
 def entry_for(record: JobRecord, **fields: object) -> QueueEntry:
     """What the queue needs of the job (team, priority, per-node bundle, ...), and `fields`."""
     compute = record.spec.job.compute
+    image = record.spec.job.image
+    auth = image.docker_auth.registry_secret_docker_auth if image.docker_auth else None
     return QueueEntry.model_validate({
         "job_id": record.job_id,
         "team": record.team,
@@ -20,5 +22,8 @@ def entry_for(record: JobRecord, **fields: object) -> QueueEntry:
         "nodes": compute.node_count,
         "colocated": record.colocate_ranks and compute.node_count > 1,
         "resumable": record.spec.job.runtime.checkpointing_config.enabled,
+        "image": image.base_image,
+        "image_registry": image.docker_auth.registry if auth else None,
+        "image_secret": auth.secret_ref.name if auth else None,
         **fields,
     })  # fmt: skip

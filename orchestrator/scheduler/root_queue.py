@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.cluster_reader import ClusterReader
+from orchestrator.scheduler.image_prefetch import ImagePrefetch, Pull
 from orchestrator.scheduler.job_notes import JobNotes
 from orchestrator.scheduler.launcher import ControllerLauncher, LaunchFailed
 from orchestrator.scheduler.model import Decision
@@ -55,7 +56,7 @@ class RootQueue:
     def __init__(
         self, storage_root: str, policy: SchedulingPolicy, cluster: ClusterReader,
         autoscaling: bool = False, storage_budget_s: float = STORAGE_BUDGET_S,
-        launcher: ControllerLauncher | None = None,
+        launcher: ControllerLauncher | None = None, prefetch: Pull | None = None,
     ) -> None:  # fmt: skip
         self.root = StorageRoot(storage_root, StorageRetry(storage_root, storage_budget_s))
         self.store = store = QueueStore(self.root)
@@ -69,6 +70,9 @@ class RootQueue:
         self.session = launcher.session() if launcher is not None else None
         # Submitting a controller is an HTTP call to the Job API: never under the lock.
         self.launches = ThreadPoolExecutor(4, thread_name_prefix="queue-launch")
+        self.prefetch = None  # waiting jobs' images onto their nodes, off this pool's threads
+        if prefetch is not None:
+            self.prefetch = ImagePrefetch(prefetch, ThreadPoolExecutor(2, "queue-prefetch"))
         self.policy = policy
         self.lock = threading.RLock()  # the calls and the ticking thread
         self.idle_since = time.monotonic()
@@ -172,6 +176,8 @@ class RootQueue:
             decision = self.policy.decide(snap)
             self.queue.carry_out(decision, now)
             self.view_writer.show(decision, snap.nodes, now)
+            if self.prefetch is not None:
+                self.prefetch.consider(decision, self.queue.ledger.get, snap.nodes)
             if not self._act_for_waiting(decision, now):
                 return decision
 

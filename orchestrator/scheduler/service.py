@@ -23,6 +23,7 @@ from typing import Any
 from orchestrator import ray_private, settings
 from orchestrator.scheduler import QUEUE_SERVICE_NAME
 from orchestrator.scheduler.cluster_reader import ClusterReader, RayCluster
+from orchestrator.scheduler.image_prefetch import ray_pull
 from orchestrator.scheduler.launcher import ControllerLauncher, RayJobLauncher
 from orchestrator.scheduler.policy import DEFAULT_HOLD_AFTER_S, SchedulingPolicy, WithinTeam
 from orchestrator.scheduler.queue_manager import Admission, QueueView
@@ -53,6 +54,10 @@ class QueueService:
         self.cluster = cluster or RayCluster()
         self.warm = _warm_host() if in_ray and launcher is None else None
         self.launcher = launcher or (RayJobLauncher() if in_ray else None)
+        # Waiting jobs' images onto their nodes, where jobs run in containers (the cluster's
+        # setting, which the head has as every node does).
+        container = settings.JOB_RUNTIME.get() == "container"
+        self.prefetch = ray_pull if in_ray and container else None
         self.known = GcsRoots() if in_ray else None
         self.queues: dict[str, RootQueue] = {}
         self.stops: dict[str, threading.Event] = {}
@@ -97,7 +102,7 @@ class QueueService:
             return queue
         # Read from the storage root outside the dicts' lock: another root's calls go on.
         fresh = RootQueue(root, self.policy, self.cluster, self.autoscaling,
-                          launcher=self.launcher)  # fmt: skip
+                          launcher=self.launcher, prefetch=self.prefetch)  # fmt: skip
         with self.lock:
             queue = self.queues.setdefault(root, fresh)
             if queue is fresh:

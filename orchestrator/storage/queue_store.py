@@ -81,6 +81,9 @@ class QueueEntry(BaseModel):
     launched_at: float | None = None  # when the service submitted that Ray job
     cluster: str | None = None  # the Ray session it was pushed to: only its service takes it
     queue_timeout_s: float | None = None  # pushed: the service ends it after waiting this long
+    image: str | None = None  # its base_image, pulled ahead onto nodes while it waits
+    image_registry: str | None = None  # docker_auth's REGISTRY_SECRET: the registry
+    image_secret: str | None = None  # ... and the secret's name (resolved on the node)
 
     @property
     def awaits_controller(self) -> bool:
