@@ -54,6 +54,15 @@ project = d.TrainingProject(
 """
 
 
+# Where push -> first line goes, by the job's recorded states (the first line: when the client
+# saw it in the log).
+STAGES = {
+    "push -> DEPLOYING": ("pushed", "DEPLOYING"),
+    "DEPLOYING -> RUNNING": ("DEPLOYING", "RUNNING"),
+    "RUNNING -> first line seen": ("RUNNING", "first line"),
+}
+
+
 def config(directory: Path, image: str, auth: str = "None") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "config.py"
@@ -72,7 +81,9 @@ def first_line(path: Path, root: str) -> tuple[float, dict[str, float]]:
     seen = time.time() - started
     if (state := job.wait(timeout=120)) != JobState.COMPLETED:
         raise RuntimeError(f"job {job.id} ended {state.value}: {job.logs()[-10:]}")
-    return seen, {e.state.value: e.at for e in job.details().history}
+    states = {e.state.value: e.at for e in job.details().history}
+    states["pushed"], states["first line"] = started, started + seen
+    return seen, states
 
 
 def on_cluster(work: Path, env: dict[str, str], measure: Callable[[], None]) -> None:
@@ -128,18 +139,22 @@ def run(runs: int, work: Path, registry: Registry, cold: str) -> None:
     deploys: list[float] = []
     refused: list[float] = []
 
-    def timed(path: Path, firsts: list[float], deploys: list[float]) -> None:
+    stages: dict[str, dict[str, list[float]]] = {"host": {}, "container": {}}
+
+    def timed(path: Path, firsts: list[float], deploys: list[float], mode: str) -> None:
         first_line(path, root)  # warm
         for _ in range(runs):
             seen, states = first_line(path, root)
             firsts.append(seen)
             deploys.append(states["RUNNING"] - states["DEPLOYING"])
+            for stage, (start, end) in STAGES.items():
+                stages[mode].setdefault(stage, []).append(states[end] - states[start])
 
     def host_runs() -> None:
-        timed(config(work / "host", images.BUSYBOX), host, host_deploys)
+        timed(config(work / "host", images.BUSYBOX), host, host_deploys, "host")
 
     def container_runs() -> None:
-        timed(config(work / "cached", images.BUSYBOX), cached, cached_deploys)
+        timed(config(work / "cached", images.BUSYBOX), cached, cached_deploys, "container")
         auth = (
             "d.DockerAuth(auth_method='REGISTRY_SECRET', registry="
             f"{registry.address!r}, registry_secret_docker_auth=d.RegistrySecretDockerAuth("
@@ -187,6 +202,9 @@ def run(runs: int, work: Path, registry: Registry, cold: str) -> None:
     print(f"DEPLOYING -> RUNNING, host:      {med(host_deploys):.3f} s ({min(host_deploys):.3f})")
     print(f"DEPLOYING -> RUNNING, container: {med(cached_deploys):.3f} s "
           f"({min(cached_deploys):.3f})")  # fmt: skip
+    for stage in STAGES:
+        print(f"  {stage}: host {med(stages['host'][stage]):.3f} s, container "
+              f"{med(stages['container'][stage]):.3f} s")  # fmt: skip
     print(f"bare podman pull (cold, 60 MB layer): {med(pulls):.3f} s ({min(pulls):.3f})")
     print(f"DEPLOYING -> RUNNING, cold pull:     {med(deploys):.3f} s ({min(deploys):.3f})  "
           f"+{med(deploys) - med(pulls):.3f} s over the pull")  # fmt: skip

@@ -115,7 +115,8 @@ def ray_connect(address: str, targets: dict) -> None:
         ray.init(address=address, namespace="orchestrator", log_to_driver=False,
                  logging_level="ERROR")  # fmt: skip
     except BaseException as e:  # whatever stops it, it is a refusal
-        print(f"RAY refused {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+        why = e.__cause__ or e  # ray.init's ConnectionError hides what the GCS answered
+        print(f"RAY refused {type(e).__name__}: {str(why).splitlines()[0][:160]}", flush=True)
         return
     reached = []
     for actor in ("orchestrator-secret-store", "orchestrator-queue",
