@@ -115,8 +115,10 @@ def ray_connect(address: str, targets: dict) -> None:
         ray.init(address=address, namespace="orchestrator", log_to_driver=False,
                  logging_level="ERROR")  # fmt: skip
     except BaseException as e:  # whatever stops it, it is a refusal
-        why = e.__cause__ or e  # ray.init's ConnectionError hides what the GCS answered
-        print(f"RAY refused {type(e).__name__}: {str(why).splitlines()[0][:160]}", flush=True)
+        # ray.init's ConnectionError holds what the GCS answered, deep in a traceback's text
+        lines = [line.strip() for line in str(e.__cause__ or e).splitlines() if line.strip()]
+        why = next((line for line in lines if "uthentica" in line), lines[-1] if lines else "")
+        print(f"RAY refused {type(e).__name__}: {why[:200]}", flush=True)
         return
     reached = []
     for actor in ("orchestrator-secret-store", "orchestrator-queue",

@@ -59,8 +59,13 @@ def use_token(path: Path) -> None:
     _told = str(path)
 
 
-# Ray's words: the server's 401 and 403, and its client finding no token to send.
-_REFUSALS = ("Authentication required", "Authentication failed", "couldn't find an authentication")
+# Ray's words: the Job API's 401 and 403, its client finding no token to send, a gRPC refusal.
+_REFUSALS = (
+    "Authentication required",
+    "Authentication failed",
+    "couldn't find an authentication",
+    "InvalidAuthToken",
+)
 
 
 def refusal(error: BaseException, address: str | None = None) -> str | None:
@@ -81,7 +86,10 @@ def refusal(error: BaseException, address: str | None = None) -> str | None:
         source = "RAY_AUTH_TOKEN"
     else:
         source = os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token"
-    if "Authentication failed" in text:
+    has_token = bool(os.environ.get("RAY_AUTH_TOKEN")) or _readable(Path(source).expanduser())
+    sent = os.environ.get("RAY_AUTH_MODE") == "token" and has_token
+    # A gRPC refusal (ray.init) says "missing or incorrect": which one is this client's to say.
+    if "Authentication failed" in text or ("InvalidAuthToken" in text and sent):
         return (f"{where} refused this client's token ({source}): it is not the cluster's; "
                 "put the cluster's token there")  # fmt: skip
     if os.environ.get("RAY_AUTH_MODE") != "token":
@@ -89,3 +97,10 @@ def refusal(error: BaseException, address: str | None = None) -> str | None:
                 "token in ~/.ray/auth_token (or name its file in RAY_AUTH_TOKEN_PATH)")  # fmt: skip
     return (f"{where} demands a token and this client has none ({source} is missing or "
             "empty); put the cluster's token there")  # fmt: skip
+
+
+def _readable(path: Path) -> bool:
+    try:
+        return bool(path.read_text().strip())
+    except OSError:
+        return False
