@@ -45,6 +45,10 @@ def test_push_view_logs_and_stop_the_most_recent_job(tmp_path, storage_root):
     announced = json.loads(pushed.stdout)
     job_id = announced["training_job"]["id"]
     assert any(w.startswith("availability_model spot is recorded") for w in announced["warnings"])
+    # The session's cluster runs jobs on the host: push says what that means.
+    assert any(w.startswith("this cluster runs jobs' commands in its nodes' own environment, as "
+                            "trusted code: image.base_image is recorded only")
+               for w in announced["warnings"]), announced["warnings"]  # fmt: skip
     job = get_job(job_id, storage_root=storage_root)
 
     deadline = time.monotonic() + 60

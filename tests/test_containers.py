@@ -155,6 +155,12 @@ def test_commands_run_in_the_image_seeing_only_their_mounts_and_checkpoints_uplo
                  address=container_cluster, storage_root=root)  # fmt: skip
     assert again.wait(timeout=120) == JobState.COMPLETED, again.logs()
     assert any(line.endswith("] clean") for line in again.logs())
+    # The cluster's queue service says where it runs jobs, so push says nothing of trusted code.
+    from orchestrator.storage.queue_store import QueueStore
+    from orchestrator.storage.root import StorageRoot
+
+    assert QueueStore(StorageRoot(root)).runtimes() == {"container"}
+    assert not any("trusted code" in n for n in again.record.notices), again.record.notices
 
 
 SAVE_ON_TERM = (

@@ -36,6 +36,8 @@ from orchestrator.storage.root import StorageRoot
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
 
+    from orchestrator.spec.training import TrainingJob
+
 REMOTE_PYTHON_ENV = settings.PYTHON.name
 SHARED_FS_ENV = settings.SHARED_FILESYSTEM.name
 SCHEDULING_TIMEOUT_ENV = settings.SCHEDULING_TIMEOUT_S.name
@@ -66,8 +68,10 @@ def store_job(
     upload_settings: UploadSettings | None = None,
     storage_settings: StorageSettings | None = None,
     retry: RetryPolicy | None = None,
+    notices: list[str] | None = None,
 ) -> JobRecord:
-    """Upload the code archive (skipped if the same bytes are stored) and write the record."""
+    """Upload the code archive (skipped if the same bytes are stored) and write the record;
+    `notices`: what push says beside the config's own warnings."""
     store = JobStore(root)
     with tempfile.TemporaryDirectory(prefix="orchestrator-push-") as tmp:
         info = write_archive(prepared.plan, Path(tmp) / "workspace.tar")
@@ -99,7 +103,7 @@ def store_job(
         retry=retry or RetryPolicy.resolve(),
         queue_timeout_s=settings.QUEUE_TIMEOUT_S.get(),
         metrics_interval_s=settings.METRICS_INTERVAL_S.get(),
-        notices=list(prepared.warnings),
+        notices=[*prepared.warnings, *(notices or [])],
     )
     store.create(record, JobStatus.new(job_id, "submitted"))
     return record
@@ -191,14 +195,37 @@ def submit(
     # A bad value is refused before anything exists.
     upload_settings, storage_settings = UploadSettings.from_env(), StorageSettings.from_env()
     retry = retry or RetryPolicy.resolve()
+    # Where the cluster runs the commands: as the queue services watching the root say (one
+    # cluster's, as a rule); the embedded cluster's is this environment's.
+    said = QueueStore(root).runtimes()
+    runtime = said.pop() if len(said) == 1 else None
+    if runtime is None and connection.embedded:
+        runtime = settings.JOB_RUNTIME.get()
     job_id = new_job_id()
     record = store_job(
         prepared, root, job_id, connection.address, colocate_ranks=colocate_ranks,
         embedded=connection.embedded, upload_settings=upload_settings,
         storage_settings=storage_settings, retry=retry,
+        notices=runtime_notices(prepared.project.job, runtime),
     )  # fmt: skip
     submit_record(record, connection, root)
     return record
+
+
+def runtime_notices(job: TrainingJob, runtime: str | None) -> list[str]:
+    """What push says of where the commands will run: on the host, that the image is not used
+    and the code is trusted (docs/secrets.md); nothing where they run in the image, or where
+    the cluster has not said (its first job's log says it)."""
+    if runtime != "host":
+        return []
+    image = "image.base_image and image.docker_auth are" if job.image.docker_auth else (
+        "image.base_image is"
+    )  # fmt: skip
+    return [
+        f"this cluster runs jobs' commands in its nodes' own environment, as trusted code: "
+        f"{image} recorded only, and the commands can reach the cluster and read what Ray's "
+        "user can on the node (docs/secrets.md)"
+    ]
 
 
 def recreate_job(earlier: JobRecord, connection: Connection, root: StorageRoot) -> JobRecord:

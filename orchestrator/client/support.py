@@ -85,8 +85,6 @@ def check_support(job: TrainingJob) -> SupportReport:
                 f"{where}: {keys} is not a field of {type(model).__name__} and is ignored "
                 "(Baseten accepts unknown keys there too)"
             )
-    if job.image.docker_auth is not None:
-        notices.append("image.docker_auth is recorded only: images are not pulled on this cluster")
     if job.compute.availability_model == AvailabilityModel.SPOT:
         notices.append(
             "availability_model spot is recorded only: Ray places the job like any other"

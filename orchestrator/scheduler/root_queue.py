@@ -26,6 +26,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from orchestrator import settings
 from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.cluster_reader import ClusterReader
 from orchestrator.scheduler.image_prefetch import ImagePrefetch, Pull
@@ -232,7 +233,7 @@ class RootQueue:
     def _beat(self) -> None:
         if self.session is None or time.monotonic() - self.last_beat < BEAT_S:
             return
-        self.store.beat(self.session, time.time())
+        self.store.beat(self.session, time.time(), settings.JOB_RUNTIME.get())
         self.last_beat = time.monotonic()
 
     # -- ticking --------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ class ServiceBeat(BaseModel):
 
     session: str
     at: float
+    runtime: str | None = None  # where its cluster runs jobs' commands: "host" or "container"
 
 
 class WaitingView(BaseModel):
@@ -240,8 +241,8 @@ class QueueStore:
             for folder in (INCOMING, STOPS, REQUESTS)
         )
 
-    def beat(self, session: str, at: float) -> None:
-        beat = ServiceBeat(session=session, at=at)
+    def beat(self, session: str, at: float, runtime: str | None = None) -> None:
+        beat = ServiceBeat(session=session, at=at, runtime=runtime)
         self.root.write_bytes(f"{SERVICES}/{session}.json", beat.model_dump_json().encode())
 
     def forget_beat(self, session: str) -> None:
@@ -250,13 +251,27 @@ class QueueStore:
 
     def watched_by(self, session: str) -> bool:
         """Whether a queue service of that Ray cluster session beat here lately."""
+        beat = self._beat_of(session)
+        return beat is not None and time.time() - beat.at < BEAT_STALE_S
+
+    def runtimes(self) -> set[str | None]:
+        """Where the clusters whose queue services watch this root lately run jobs' commands,
+        as each said in its beat (None: a service that did not say)."""
+        found = set()
+        for name in self.root.list_names(SERVICES):
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                beat = ServiceBeat.model_validate_json(self.root.read_bytes(f"{SERVICES}/{name}"))
+                if time.time() - beat.at < BEAT_STALE_S:
+                    found.add(beat.runtime)
+        return found
+
+    def _beat_of(self, session: str) -> ServiceBeat | None:
         try:
-            beat = ServiceBeat.model_validate_json(
+            return ServiceBeat.model_validate_json(
                 self.root.read_bytes(f"{SERVICES}/{session}.json")
             )
         except FileNotFoundError:
-            return False
-        return time.time() - beat.at < BEAT_STALE_S
+            return None
 
     def claim_service_start(self, session: str) -> float | None:
         """None if this push is the one to start the cluster session's queue service here (by
