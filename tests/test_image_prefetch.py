@@ -51,3 +51,18 @@ def test_a_held_job_goes_to_its_held_nodes_and_a_job_without_an_image_nowhere():
 
 def test_a_job_that_left_the_queue_meanwhile_is_skipped():
     assert asked(Decision(waiting=[Waiting("gone", 1, "r")]), []) == []
+
+
+def test_what_it_remembers_asking_is_only_for_the_next_jobs():
+    """A service that runs for months sees millions of jobs: it keeps the next ones' asks only,
+    and asks again for a job that comes back to the front."""
+    calls: list[tuple[str, str]] = []
+    entries = {f"j{n}": entry(f"j{n}", f"reg/{n}:1", CPU=4, memory=1e9) for n in range(50)}
+    with ThreadPoolExecutor(1) as pool:
+        prefetch = ImagePrefetch(lambda node, e: calls.append((node, e.job_id)), pool)
+        for n in range(49):
+            front = [Waiting(f"j{n}", 1, "r"), Waiting(f"j{n + 1}", 2, "r")]
+            prefetch.consider(Decision(waiting=front), entries.get, NODES)
+            assert len(prefetch.asked) <= 4  # 2 jobs x the 2 nodes they fit
+        prefetch.consider(Decision(waiting=[Waiting("j0", 1, "r")]), entries.get, NODES)
+    assert calls.count(("cpu-node", "j0")) == 2 and calls.count(("cpu-node", "j25")) == 1

@@ -77,9 +77,14 @@ class ImagePuller:
                 credentials = None
                 if registry and secret_name:
                     credentials = (registry, resolve_secret(secret_name, team))
-                # Held by no live agent: a later pull's eviction may take it before the job
-                # starts, and the job's own pull brings it back.
-                ImageCache(alive=actor_alive).ensure(image, f"queued:{job_id}", credentials)
+                # Held by no job until its agent holds it: a later pull's eviction may take it
+                # before the job starts, and the job's own pull brings it back.
+                cache = ImageCache(alive=actor_alive)
+                holder = f"queued:{job_id}"
+                try:
+                    cache.ensure(image, holder, credentials)
+                finally:
+                    cache.release(holder)
                 self._remember(image)
 
         threading.Thread(target=pull, name="image-prefetch", daemon=True).start()

@@ -2,11 +2,11 @@
 after a wait finds its image on its nodes instead of pulling it then.
 
 For the first `AHEAD` waiting jobs (queue order): onto the nodes held for the job if it is held,
-else onto every node whose capacity fits its bundle. Each node is asked once per job and image (a
-node that has the image answers at once). Its puller (agents/image_puller.py) pulls the image
-through the node's image cache where jobs run in containers, and does nothing where they run on
-the host. Asking is a remote call made off the deciding thread: a slow node never holds up a
-decision.
+else onto every node whose capacity fits its bundle. Each node is asked once per job and image
+while the job is among the next (a node that has the image answers at once). Its puller
+(agents/image_puller.py) pulls the image through the node's image cache where jobs run in
+containers, and does nothing where they run on the host. Asking is a remote call made off the
+deciding thread: a slow node never holds up a decision.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ class ImagePrefetch:
     ) -> None:
         """Ask for the images of the next waiting jobs (`entry`: a job's queue entry) on the
         nodes they could start on."""
-        waiting = sorted(decision.waiting, key=lambda w: w.position)
-        for job in waiting[: self.ahead]:
+        waiting = sorted(decision.waiting, key=lambda w: w.position)[: self.ahead]
+        next_ids = {job.job_id for job in waiting}
+        self.asked = {asked for asked in self.asked if asked[0] in next_ids}  # bounded
+        for job in waiting:
             found = entry(job.job_id)
             if found is None or found.image is None:
                 continue

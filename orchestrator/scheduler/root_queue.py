@@ -282,4 +282,6 @@ class RootQueue:
             return False
         self.notes.close()
         self.launches.shutdown(wait=False)
+        if self.prefetch is not None:
+            self.prefetch.pool.shutdown(wait=False)
         return True
