@@ -173,7 +173,7 @@ def test_the_journal_stores_every_line_once_in_order_after_an_outage(
             journal.lines([f"during {i}"])
             if i == 15:
                 journal.status(_status("j1", JobState.RUNNING))
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert not journal.wait_stored(1)  # it says so instead of holding the caller
     finally:
         s3_outage.up()
