@@ -95,6 +95,9 @@ def ray_attempt(targets: dict, address: str, token: str | None) -> str:
     """One connection with Ray's own client, then the named actors a job must not reach: run in
     a process of its own (Ray connects once per process)."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # keep 127.0.0.1 as it is
+    # Shorter waits than Ray's (20 s for the GCS, 30 s for Ray Client): a refusal comes at once,
+    # and the same waits let the control (on the host, with the token) connect.
+    env.update(RAY_NUM_REDIS_GET_RETRIES="4", RAY_CLIENT_INITIAL_CONNECTION_TIMEOUT_S="1")
     env.pop("RAY_AUTH_TOKEN_PATH", None)
     if token is not None:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
