@@ -97,6 +97,26 @@ def test_a_laptop_with_the_clusters_token_in_rays_default_place_pushes_and_one_w
     job_id = pushed.stdout.split("pushed job ")[1].split()[0]
     assert job_id in listed.stdout
 
+    # A running job: a stop without the token is told so and stops nothing; with it, it stops.
+    sleeper = make_job(tmp_path / "sleeper", HELLO, {
+        "hello.py": "import time\nprint('up', flush=True)\ntime.sleep(600)\n"})  # fmt: skip
+    pushed = cli("push", str(sleeper), "--storage-root", storage_root)
+    assert pushed.returncode == 0, pushed.stderr
+    job = get_job(pushed.stdout.split("pushed job ")[1].split()[0], storage_root=storage_root)
+    deadline = time.monotonic() + 120
+    while not any(line.endswith("] up") for line in job.logs()):
+        assert time.monotonic() < deadline, job.logs()
+        time.sleep(0.2)
+    (laptop / ".ray" / "auth_token").write_text("")
+    refused = cli("stop", "--job-id", job.id, "--storage-root", storage_root)
+    said = " ".join(refused.stderr.split())
+    assert refused.returncode == 1 and "this client has none" in said, refused.stderr
+    assert job.status() == JobState.RUNNING
+    (laptop / ".ray" / "auth_token").write_text(token)
+    stopped = cli("stop", "--job-id", job.id, "--storage-root", storage_root)
+    assert stopped.returncode == 0, stopped.stderr
+    assert job.status() == JobState.STOPPED
+
 
 def test_cli_push_tail_runs_the_mnist_recipe_to_completed(storage_root, ray_cluster):
     result = subprocess.run(
