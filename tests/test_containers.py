@@ -24,6 +24,7 @@ from pathlib import Path
 
 import images
 import pexpect
+import psutil
 import pytest
 from conftest import attach, eventually, free_port, make_job, simulated_cluster
 from ray.util.state import list_actors
@@ -733,18 +734,8 @@ def _team_job(directory: Path, team: str, project: str, image: str, commands: li
 
 
 def _descendants(pid: int) -> list[int]:
-    """`pid` and every process under it, by parent pid."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found = [pid]
-    for child, parent in sorted(parents.items()):
-        if parent in found:
-            found.append(child)
-    return found
+    """`pid` and every process under it."""
+    return [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
 
 
 def _attacks(lines: list[str]) -> dict[str, tuple[bool, str]]:
