@@ -74,20 +74,20 @@ def find_token(targets: dict) -> str | None:
     files = []
     for where, env in places:  # this process's own first
         if env.get("RAY_AUTH_TOKEN"):
-            return found_token("token", f"RAY_AUTH_TOKEN in {where}", env["RAY_AUTH_TOKEN"])
+            return found_token(f"RAY_AUTH_TOKEN in {where}", env["RAY_AUTH_TOKEN"])
         if env.get("RAY_AUTH_TOKEN_PATH"):
             files.append(env["RAY_AUTH_TOKEN_PATH"])
     files += [*targets["token_files"], os.path.expanduser("~/.ray/auth_token")]
     for path in files:
         content = read(path)
         if content and content.strip():
-            return found_token("token", f"read {path}", content.decode().strip())
+            return found_token(f"read {path}", content.decode().strip())
     say("token", False, f"not in {len(places)} environments nor in {len(files)} files")
     return None
 
 
-def found_token(name: str, where: str, token: str) -> str:
-    say(name, True, f"{where}: {fingerprint(token)}")
+def found_token(where: str, token: str) -> str:
+    say("token", True, f"{where}: {fingerprint(token)}")
     return token
 
 
@@ -269,15 +269,20 @@ def processes(targets: dict) -> None:
 
 
 def signals(targets: dict) -> None:
-    """B's processes by their pids on the node: SIGTERM (signal 0 when harmless)."""
+    """B's processes by their pids on the node: SIGTERM (signal 0 when harmless). A pid that is
+    a process of this job's own PID namespace here (the same number, by chance) is left alone."""
     sent = []
+    own = os.readlink("/proc/self/ns/pid")
     for pid in targets["pids"]:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/pid") == own:
+                continue
+        except OSError:
+            pass  # no such process here (or not ours to look at): signal it all the same
         try:
             os.kill(pid, 0 if targets.get("harmless") else signal.SIGTERM)
             sent.append(pid)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        except (ProcessLookupError, PermissionError):
             pass
     say("signal", bool(sent), f"signalled {len(sent)} of B's {len(targets['pids'])} processes")
 
