@@ -57,6 +57,56 @@ def kv_put(key: bytes, value: bytes) -> None:
 _KV_NS = "orchestrator"
 
 
+def put_job_row(job_id: str, fields: dict[str, Any]) -> None:
+    """A job in the table Ray's Job API keeps (what the dashboard's Jobs page, `ray job list`
+    and `ray job status` read), for a controller that is not a Ray job of its own. `fields` are
+    Ray's JobInfo's: status (a JobStatus name), entrypoint, message, start_time, end_time,
+    metadata, driver_node_id, driver_agent_http_address (where `ray job logs` is served)."""
+    import importlib
+    import json
+
+    common = importlib.import_module("ray.dashboard.modules.job.common")
+    try:
+        info = common.JobInfo(**{**fields, "status": common.JobStatus(fields["status"])})
+        key = common.JobInfoStorageClient.JOB_DATA_KEY.format(job_id=job_id)
+        namespace = _private("ray._private.ray_constants", "KV_NAMESPACE_JOB")
+    except (AttributeError, TypeError) as e:
+        raise RayPrivateApiMissing(f"Ray's JobInfo is not what orchestrator knows: {e}") from e
+    _private("ray.experimental.internal_kv", "_internal_kv_put")(
+        key.encode(), json.dumps(info.to_json()).encode(), overwrite=True, namespace=namespace
+    )
+
+
+def end_job_row(job_id: str, status: str, message: str) -> None:
+    """The job's row in Ray's Job API table (put_job_row) moved to its end, if it has one."""
+    import importlib
+    import json
+    import time
+
+    common = importlib.import_module("ray.dashboard.modules.job.common")
+    key = common.JobInfoStorageClient.JOB_DATA_KEY.format(job_id=job_id).encode()
+    namespace = _private("ray._private.ray_constants", "KV_NAMESPACE_JOB")
+    raw = _private("ray.experimental.internal_kv", "_internal_kv_get")(key, namespace=namespace)
+    if not raw:
+        return
+    fields = json.loads(raw)
+    fields.update(status=status, message=message, end_time=int(time.time() * 1000))
+    if fields.get("runtime_env_json") is not None:
+        fields["runtime_env"] = json.loads(fields["runtime_env_json"])
+    fields.pop("runtime_env_json", None)
+    put_job_row(job_id, fields)
+
+
+def job_driver_place() -> tuple[str, str, str]:
+    """Where a Ray job's driver on this node would be: the node's dashboard agent (which
+    serves `ray job logs`), the node id, and the log file's folder (the session's logs)."""
+    import ray
+
+    node = _private("ray._private.worker", "global_worker").node
+    agent = f"http://{node.node_ip_address}:{node.dashboard_agent_listen_port}"
+    return agent, ray.get_runtime_context().get_node_id(), node.get_logs_dir_path()
+
+
 def _private(module: str, name: str) -> Any:
     import importlib
 

@@ -1,5 +1,6 @@
 """The job queue on a simulated GPU cluster: a head and four workers with 2 H100 each, two teams
-with quotas. Real Ray, real controllers (each job a Ray job), one queue service per storage root.
+with quotas. Real Ray, real controllers (a root's first job a Ray job, the rest threads of the
+controller host), one queue service per storage root.
 """
 
 from __future__ import annotations
@@ -296,6 +297,73 @@ def test_a_controller_that_dies_ends_its_job_failed_and_lets_go(h100s, tmp_path)
     cause = stored.status(victim.id).failure.cause
     assert cause.startswith(f"the job's controller (Ray job {victim.id}) died while RUNNING")
     assert after.wait(timeout=90) == JobState.COMPLETED  # what the dead one held was let go
+
+
+def ray_row(address: str, job_id: str):
+    """The job as Ray's Job API shows it (the dashboard's Jobs page, `ray job status`)."""
+    return JobSubmissionClient(address).get_job_info(job_id)
+
+
+def host_pid(address: str) -> int:
+    from ray.util.state import list_actors
+
+    from orchestrator.scheduler.controller_host import HOST_NAME
+
+    (host,) = list_actors(address=address, filters=[("name", "=", HOST_NAME),
+                                                    ("state", "=", "ALIVE")])  # fmt: skip
+    return int(host.pid)
+
+
+def test_an_admitted_job_runs_its_controller_in_the_host_and_shows_as_a_ray_job(h100s, tmp_path):
+    _, address = h100s
+    root = str(tmp_path / "storage")
+    first = push(job(tmp_path / "first", "echo first"), address=address, storage_root=root)
+    assert first.wait(timeout=120) == JobState.COMPLETED  # its own Ray job: the root's service
+    sleeper = push(job(tmp_path / "sleeper", "python -c 'import time; time.sleep(600)'"),
+                   address=address, storage_root=root)  # fmt: skip
+    eventually(lambda: sleeper.status() == JobState.RUNNING, "the hosted job to run", 60)
+    entry = QueueStore(StorageRoot(root)).entry(sleeper.id)
+    assert entry.hosted and entry.hosted_by is not None
+    assert controller_processes({sleeper.id}) == set()  # no process of its own, no supervisor
+    row = ray_row(address, sleeper.id)
+    assert row.status.value == "RUNNING" and row.entrypoint.startswith(": 'queue/")
+    assert row.metadata["job_name"] == f"queue/{sleeper.id}"
+    assert row.metadata["orchestrator_controller"] == "hosted"
+    said = JobSubmissionClient(address).get_job_logs(sleeper.id)  # `ray job logs`
+    assert "] DEPLOYING: preparing 1 node(s)" in said and "] RUNNING: running 1" in said, said
+
+    assert sleeper.stop(timeout=60) == JobState.STOPPED
+    assert any("stopped by user" in line for line in sleeper.logs())
+    eventually(lambda: ray_row(address, sleeper.id).status.value == "STOPPED", "row STOPPED", 10)
+    quick = push(job(tmp_path / "quick", "echo quick-ran"), address=address, storage_root=root)
+    assert quick.wait(timeout=60) == JobState.COMPLETED, quick.logs()
+    assert QueueStore(StorageRoot(root)).entry(quick.id) is None  # it let go of its room
+    eventually(lambda: ray_row(address, quick.id).status.value == "SUCCEEDED", "SUCCEEDED", 10)
+
+
+def test_a_job_whose_controller_host_dies_fails_with_why_and_lets_go(h100s, tmp_path):
+    _, address = h100s
+    root = str(tmp_path / "storage")
+    first = push(job(tmp_path / "first", "echo first"), address=address, storage_root=root)
+    assert first.wait(timeout=120) == JobState.COMPLETED
+    victim = push(job(tmp_path / "victim", "sleep 307", nodes=4), address=address,
+                  storage_root=root)  # fmt: skip
+    eventually(lambda: victim.status() == JobState.RUNNING, "the hosted job to run", 60)
+    after = push(job(tmp_path / "after", "echo after-ran", nodes=4), address=address,
+                 storage_root=root)  # fmt: skip
+    eventually(lambda: after.status() == JobState.PENDING, "the next job to wait", 60)
+
+    os.kill(host_pid(address), signal.SIGKILL)
+    stored = JobStore(StorageRoot(root))
+    eventually(lambda: stored.status(victim.id).state == JobState.FAILED, "FAILED", 60)
+    cause = stored.status(victim.id).failure.cause
+    assert cause.startswith("the controller host's process on the head ended"), cause
+    assert after.wait(timeout=90) == JobState.COMPLETED, after.logs()  # its nodes were let go
+    assert QueueStore(StorageRoot(root)).entry(after.id) is None
+    assert ray_row(address, victim.id).status.value == "FAILED"
+    eventually(lambda: not any("sleep 307" in " ".join(p.info["cmdline"] or [])
+                               for p in psutil.process_iter(["cmdline"])),
+               "the dead controller's commands to end", 30)  # fmt: skip
 
 
 def test_fifty_small_jobs_from_three_teams_all_run_within_their_quotas(

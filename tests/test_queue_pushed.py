@@ -39,6 +39,8 @@ class FakeCluster:
 class FakeLauncher:
     """The Job API as the service uses it: what it launched and stopped."""
 
+    hosts = False
+
     def __init__(self) -> None:
         self.launched: list[str] = []
         self.stopped: list[str] = []
@@ -48,16 +50,23 @@ class FakeLauncher:
     def session(self) -> str:
         return "session-1"
 
-    def launch(self, entry: QueueEntry) -> None:
+    def launch(self, entry: QueueEntry) -> str | None:
         if self.refuse:
             raise LaunchFailed(self.refuse)
         self.launched.append(entry.job_id)
+        return None
 
     def stop(self, job_id: str) -> None:
         self.stopped.append(job_id)
 
     def ended(self, job_id: str) -> str | None:
         return self.ended_jobs.get(job_id)
+
+    def hosted_ended(self, entry: QueueEntry) -> str | None:
+        return None
+
+    def gone(self, job_id: str, cause: str) -> None:
+        pass
 
 
 @pytest.fixture

@@ -154,6 +154,11 @@ class JobHandle:
         with self._audited("stop") as event:
             if (waiting := self._waiting_entry()) is not None:
                 state = stop_waiting(self._store, waiting, timeout)
+            elif self._hosted_entry() is not None:
+                # Through the storage root; the cluster is asked first, so a client the cluster
+                # refuses (no token) is refused here too, as a Ray job's stop would be.
+                self._client().get_job_info(self.id)
+                state = stop_hosted(self._store, self.id, timeout)
             else:
                 client = self._client()
                 try:
@@ -304,6 +309,11 @@ class JobHandle:
         entry = queue.entry(self.id) or queue.incoming_entry(self.id)
         return entry if entry is not None and entry.awaits_controller else None
 
+    def _hosted_entry(self) -> QueueEntry | None:
+        """The queue's entry of a job whose controller is a thread of the controller host."""
+        entry = QueueStore(self._store.root).entry(self.id)
+        return entry if entry is not None and entry.hosted else None
+
     def _client(self) -> Any:
         address = self.record.ray_address
         if address is None:
@@ -317,7 +327,10 @@ class JobHandle:
         import requests
 
         try:
-            return str(self._client().get_job_status(self.id).value)
+            info = self._client().get_job_info(self.id)
+            if (info.metadata or {}).get("orchestrator_controller") == "hosted":
+                return None  # a row the controller host keeps: the record says more, first
+            return str(info.status.value)
         except (ConnectionError, requests.exceptions.ConnectionError):
             self._ray_client = None
             # Nothing answers. Our own embedded cluster gone means its jobs are gone; any other
@@ -343,6 +356,18 @@ def stop_waiting(store: JobStore, entry: QueueEntry, timeout: float) -> JobState
             continue
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {entry.job_id} is still {state.value} after {timeout} s")
+        time.sleep(POLL_S / 4)
+    return state
+
+
+def stop_hosted(store: JobStore, job_id: str, timeout: float) -> JobState:
+    """Ask the queue service to stop a job whose controller the controller host runs (the
+    controller flushes and records STOPPED), and wait for its end."""
+    QueueStore(store.root).request_stop(job_id, time.time())
+    deadline = time.monotonic() + timeout
+    while not (state := store.status(job_id).state).is_terminal:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} is still {state.value} after {timeout} s")
         time.sleep(POLL_S / 4)
     return state
 

@@ -261,15 +261,18 @@ def check_recreatable(earlier: JobRecord, root: StorageRoot) -> None:
 
 def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) -> None:
     """Put a stored job in the cluster's queue: it is queued from the moment this returns, with
-    no process of its own; the queue service starts its controller (a Ray job, submission id =
-    job id) once it is admitted. Where no service watches the root yet (the cluster's first
-    push to it), the first such push submits its controller now, which starts the service, and
-    the pushes after it wait for that service; a job that mirrors weights while it waits is
-    submitted now too. A refusal is recorded as DEPLOY_FAILED, then raised."""
+    no process of its own; the queue service starts its controller (a thread of the head's
+    controller host, or a Ray job whose submission id is the job id) once it is admitted. Where
+    no service watches the root yet (the cluster's first push to it), the first such push
+    submits its controller now, as a Ray job, which starts the service, and the pushes after it
+    wait for that service; a job that mirrors weights while it waits is submitted now too. A
+    refusal is recorded as DEPLOY_FAILED, then raised."""
     job_id = record.job_id
     launch = Launch(
         entrypoint=controller_entrypoint(job_id, root, connection, runs_comment(record)),
         metadata=ray_job_metadata(record, root),
+        storage_root=root.url,
+        scheduling_timeout_s=scheduling_timeout(),
     )
     queue = QueueStore(root)
     starter = ""  # the cluster session whose queue service this push starts here, if it does

@@ -343,6 +343,16 @@ def _info_from_state(state: dict[str, object]) -> LocalClusterInfo | None:
         return None
 
 
+def _hosts_controllers(dashboard_url: str) -> bool:
+    """Whether the cluster's controller host runs (the state API: no driver needed)."""
+    from ray.util.state import list_actors
+
+    from orchestrator.scheduler.controller_host import HOST_NAME
+
+    filters = [("name", "=", HOST_NAME), ("state", "=", "ALIVE")]
+    return bool(list_actors(address=dashboard_url, filters=filters, raise_on_missing_output=False))
+
+
 def _stop_jobs(info: LocalClusterInfo, timeout: float) -> None:
     """Ask every unfinished Ray job to stop, and wait (up to `timeout`) for them to end."""
     use_embedded_env(info.token_file)
@@ -355,6 +365,12 @@ def _stop_jobs(info: LocalClusterInfo, timeout: float) -> None:
                   if j.submission_id and not j.status.is_terminal()]  # fmt: skip
         for job_id in active:
             client.stop_job(job_id)
+        if _hosts_controllers(dashboard_url):  # their stop, in a Ray job of its own
+            active.append(client.submit_job(
+                entrypoint=f"{shlex.quote(sys.executable)} -m "
+                f"orchestrator.scheduler.controller_host {max(timeout - 5, 1):g}",
+                entrypoint_num_cpus=0,
+            ))  # fmt: skip
         deadline = time.monotonic() + timeout
         while active and time.monotonic() < deadline:
             active = [j for j in active if not client.get_job_status(j).is_terminal()]

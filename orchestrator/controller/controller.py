@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 import ray
 
@@ -65,9 +65,10 @@ class JobController:
         scheduling_timeout_s: float,
         node_group: NodeGroupFactory = RayNodeGroup,
         queue: QueueFactory = RayJobQueue,
+        echo: TextIO | None = None,
     ) -> None:
         self.store = store
-        self.job_run = JobRun(store, job_id)
+        self.job_run = JobRun(store, job_id, echo)
         self.record = self.job_run.record
         # From here on, an outage is said once in the job's lines, with the job's budget.
         outage_s = self.record.storage.outage_s

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from orchestrator.home import orchestrator_home
 from orchestrator.lifecycle import JobState
@@ -34,7 +34,10 @@ class StorageLost(Exception):
 class JobRun:
     """The one owner of a job's status while it runs; its lines go out through it too."""
 
-    def __init__(self, store: JobStore, job_id: str) -> None:
+    def __init__(self, store: JobStore, job_id: str, echo: TextIO | None = None) -> None:
+        """`echo`: where its lines are also written as they come (the process's stdout: the
+        Ray job's log; a hosted controller's own file)."""
+        self.echo = echo
         self.root = store.root
         self.record: JobRecord = store.record(job_id)
         self._status: JobStatus = store.status(job_id)
@@ -68,15 +71,19 @@ class JobRun:
     def say(self, message: str) -> None:
         """A controller line, in the Ray job log and the stored logs."""
         line = f"[orchestrator {time.strftime('%H:%M:%S')}] {message}"
-        print(line, flush=True)
+        self._echo(line + "\n")
         self.journal.lines([line])
 
     def lines(self, lines: list[str]) -> None:
         """Lines that carry their own prefix (a rank's, the uploaders'), as they are."""
         if lines:
-            sys.stdout.write("".join(line + "\n" for line in lines))
-            sys.stdout.flush()
+            self._echo("".join(line + "\n" for line in lines))
             self.journal.lines(lines)
+
+    def _echo(self, text: str) -> None:
+        out = self.echo or sys.stdout
+        out.write(text)
+        out.flush()
 
     # --- stopping ----------------------------------------------------------------------------
 
@@ -95,5 +102,5 @@ class JobRun:
         unstored = self.journal.close(STOPPED_CLOSE_S if stopped else self.record.storage.outage_s)
         if unstored:
             line = f"could not be stored in {self.root.url}: " + "; ".join(unstored)
-            print(f"[orchestrator {time.strftime('%H:%M:%S')}] {line}", flush=True)
+            self._echo(f"[orchestrator {time.strftime('%H:%M:%S')}] {line}\n")
         return unstored

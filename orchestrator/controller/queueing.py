@@ -60,7 +60,9 @@ class JobQueue(Protocol):
     def release(self) -> None: ...
 
 
-def queue_entry(record: JobRecord, ray_job_id: str | None) -> QueueEntry:
+def queue_entry(record: JobRecord, ray_job_id: str | None, hosted: bool = False) -> QueueEntry:
+    if hosted:  # a thread of the controller host: no Ray job, no driver of its own
+        return entry_for(record, hosted=True)
     return entry_for(
         record, ray_job_id=ray_job_id,
         submission_id=os.environ.get("RAY_JOB_SUBMISSION_ID") or record.job_id,
@@ -71,12 +73,14 @@ class RayJobQueue:
     """The job's storage root's queue in the cluster's queue service, called from the
     controller (on the head node)."""
 
+    hosted = False
+
     def __init__(self, record: JobRecord, say: Callable[[str], None]) -> None:
         import ray
 
         self.record = record
         self.say = say
-        self.entry = queue_entry(record, ray.get_runtime_context().get_job_id())
+        self.entry = queue_entry(record, ray.get_runtime_context().get_job_id(), self.hosted)
         self.service: Any = None
         self.next_look = 0.0
         self.enqueued = False
@@ -164,3 +168,10 @@ class RayJobQueue:
                 self.say(f"the queue service did not answer ({type(e).__name__}): asking again")
                 time.sleep(1.0)
         raise QueueUnavailable(f"the queue service did not answer {CALL_TRIES} times: {error}")
+
+
+class HostedJobQueue(RayJobQueue):
+    """The queue, for a controller the controller host runs (scheduler/controller_host.py):
+    the service knows it lives by asking the host, not Ray's job table."""
+
+    hosted = True

@@ -1,7 +1,9 @@
 """Jobs whose controller died (`OrphanReaper`): a queue entry whose Ray driver is gone, or whose
 controller the service started and whose Ray job ended before it came, ends FAILED in the job's
 status, saying why, and leaves the queue, so what it held is freed for the jobs that wait. A
-controller marked started whose Ray job never came to exist is started again."""
+controller marked started whose Ray job never came to exist is started again. A hosted
+controller (a thread of the controller host) is asked of the host: one gone with its host, or
+ended without recording its job's end, is failed the same way."""
 
 from __future__ import annotations
 
@@ -34,7 +36,10 @@ class OrphanReaper:
         alive = self.cluster.live_drivers()
         reaped = []
         for entry in queue.entries():
-            if entry.ray_job_id is None:
+            if entry.hosted:
+                if not self._hosted_gone(queue, entry):
+                    continue
+            elif entry.ray_job_id is None:
                 if not self._never_came(queue, entry):
                     continue
             elif entry.ray_job_id in alive:
@@ -63,6 +68,25 @@ class OrphanReaper:
             f"{ended}"
         )
         self._record_failed(entry.job_id, cause)
+        return True
+
+    def _hosted_gone(self, queue: QueueManager, entry: QueueEntry) -> bool:
+        """Whether a hosted controller is gone (its job's end recorded, with why if it had
+        none); one its host never started is started again after a grace, as a Ray job's."""
+        if self.launcher is None:
+            return False
+        ended = self.launcher.hosted_ended(entry)
+        if ended is None:
+            return False
+        if ended == MISSING:
+            late = entry.launched_at is None or time.time() - entry.launched_at > MISSING_GRACE_S
+            if late and entry.hosted_by is None:  # the service died between marking and asking
+                queue.ledger.update(entry, launched_at=None)
+            return False
+        if ended.startswith("FAILED: "):
+            cause = ended.removeprefix("FAILED: ")
+            self._record_failed(entry.job_id, cause)
+            self.launcher.gone(entry.job_id, cause)
         return True
 
     def _record_failed(self, job_id: str, cause: str) -> None:

@@ -190,8 +190,8 @@ class RootQueue:
             if not entry.awaits_controller:
                 continue
             job_id = entry.job_id
-            if entry.state == "admitted":
-                self.queue.ledger.update(entry, launched_at=now)  # stored before it is started
+            if entry.state == "admitted":  # marked (and how) before it is started
+                self.queue.ledger.update(entry, launched_at=now, hosted=self._hosts(entry))
                 self.launches.submit(self._launch, self.queue.ledger[job_id])
             elif job_id in decision.impossible:
                 self.notes.end(job_id, JobState.DEPLOY_FAILED,
@@ -209,6 +209,13 @@ class RootQueue:
                     )
         return left
 
+    def _hosts(self, entry: QueueEntry) -> bool:
+        """Whether the entry's controller is started in the controller host (one pushed by an
+        older client, without what the host needs, is a Ray job)."""
+        launch = entry.launch
+        return bool(self.launcher is not None and self.launcher.hosts and launch is not None
+                    and launch.storage_root and launch.scheduling_timeout_s)  # fmt: skip
+
     def _launch(self, entry: QueueEntry) -> None:
         """Start an admitted job's controller (a pool thread); a refusal ends the job."""
         assert self.launcher is not None
@@ -217,7 +224,11 @@ class RootQueue:
             if self.notes.ended(entry.job_id):  # stopped by a client while no service ran
                 self._leave(entry.job_id)
                 return
-            self.launcher.launch(entry)
+            hosted_by = self.launcher.launch(entry)
+            if hosted_by is not None:
+                with self.lock:
+                    if (current := self.queue.ledger.get(entry.job_id)) is not None:
+                        self.queue.ledger.update(current, hosted_by=hosted_by)
         except LaunchFailed as e:
             cause = f"the job's controller could not be started: {e}"
             self.notes.end(entry.job_id, JobState.DEPLOY_FAILED, cause)

@@ -1,7 +1,8 @@
 """The queue service: one detached actor per cluster (`orchestrator-queue`, on the head) that
 keeps one queue per storage root (`RootQueue`, scheduler/root_queue.py), reads the cluster from
-Ray (`RayCluster`, scheduler/cluster_reader.py) and starts admitted jobs' controllers through the
-Job API (`RayJobLauncher`, scheduler/launcher.py), unless handed other ones.
+Ray (`RayCluster`, scheduler/cluster_reader.py) and starts admitted jobs' controllers in the
+controller host (`HostedLauncher`) or through the Job API (`RayJobLauncher`, both
+scheduler/launcher.py), unless handed other ones.
 
 The roots it watches are kept in the GCS too (`KNOWN_ROOTS_KEY`): Ray restarts the actor when
 its process dies, and the new one watches the same roots at once, so jobs that wait with no
@@ -24,7 +25,7 @@ from orchestrator import ray_private, settings
 from orchestrator.scheduler import QUEUE_SERVICE_NAME
 from orchestrator.scheduler.cluster_reader import ClusterReader, RayCluster
 from orchestrator.scheduler.image_prefetch import ray_pull
-from orchestrator.scheduler.launcher import ControllerLauncher, RayJobLauncher
+from orchestrator.scheduler.launcher import ControllerLauncher, HostedLauncher, RayJobLauncher
 from orchestrator.scheduler.policy import DEFAULT_HOLD_AFTER_S, SchedulingPolicy, WithinTeam
 from orchestrator.scheduler.queue_manager import Admission, QueueView
 from orchestrator.scheduler.root_queue import RootQueue
@@ -53,7 +54,7 @@ class QueueService:
         in_ray = cluster is None
         self.cluster = cluster or RayCluster()
         self.warm = _warm_host() if in_ray and launcher is None else None
-        self.launcher = launcher or (RayJobLauncher() if in_ray else None)
+        self.launcher = launcher or (_launcher() if in_ray else None)
         # Waiting jobs' images onto their nodes, where jobs run in containers (the cluster's
         # setting, which the head has as every node does).
         container = settings.JOB_RUNTIME.get() == "container"
@@ -146,6 +147,11 @@ class QueueService:
 
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
+
+
+def _launcher() -> ControllerLauncher:
+    """Controllers as threads of the controller host, or each a Ray job, as the head says."""
+    return HostedLauncher() if settings.CONTROLLERS.get() == "hosted" else RayJobLauncher()
 
 
 def _warm_host() -> WarmHost | None:

@@ -54,6 +54,9 @@ class Launch(BaseModel):
 
     entrypoint: str
     metadata: dict[str, str] = Field(default_factory=dict)
+    # What a hosted controller is started with (the entrypoint's own arguments)
+    storage_root: str | None = None
+    scheduling_timeout_s: float | None = None
 
 
 class QueueEntry(BaseModel):
@@ -79,6 +82,8 @@ class QueueEntry(BaseModel):
     submission_id: str | None = None  # the Ray job (the dashboard's id) running the controller
     launch: Launch | None = None  # pushed: the service starts the controller when admitted
     launched_at: float | None = None  # when the service submitted that Ray job
+    hosted: bool = False  # its controller is a thread of the controller host, not a Ray job
+    hosted_by: str | None = None  # ... of that host's incarnation: another one = it is gone
     cluster: str | None = None  # the Ray session it was pushed to: only its service takes it
     queue_timeout_s: float | None = None  # pushed: the service ends it after waiting this long
     image: str | None = None  # its base_image, pulled ahead onto nodes while it waits
