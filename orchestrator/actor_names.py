@@ -11,6 +11,7 @@ NAMESPACE = "orchestrator"
 QUEUE_SERVICE = "orchestrator-queue"  # one per cluster: every storage root's queue
 SECRET_STORE = "orchestrator-secret-store"  # one per cluster, on the head node
 WEIGHT_MIRROR = "orchestrator-weight-mirror"  # one per cluster
+CONTROLLER_HOST = "orchestrator-controllers"  # one per cluster, on the head: hosted controllers
 
 
 def weight_cache(node_id: str) -> str:

@@ -184,7 +184,7 @@ QUEUE_HOLD_AFTER_S = _setting("QUEUE_HOLD_AFTER_S", 600.0, positive_float, HEAD)
 QUEUE_PREEMPT_WITHIN_TEAM = _setting("QUEUE_PREEMPT_WITHIN_TEAM", "never", within_team, HEAD)
 PREEMPTION_GRACE_S = _setting("PREEMPTION_GRACE_S", 60.0, positive_float, HEAD)
 # How the queue service starts the controllers of the jobs it admits: as threads of one resident
-# process on the head (hosted; scheduler/controller_host.py), or each as its own Ray job.
+# process on the head (hosted; controller/host.py), or each as its own Ray job.
 CONTROLLERS = _setting("CONTROLLERS", "hosted", controllers, HEAD)
 # Controllers are forked from a process with their modules imported (scheduler/warm_host.py);
 # off (the default until a crash seen once is explained): each starts its own interpreter.

@@ -142,7 +142,7 @@ def test_commands_run_in_the_image_seeing_only_their_mounts_and_checkpoints_uplo
     root = str(tmp_path / "storage")
     job = push(image_job(tmp_path / "a", commands, checkpoints=True), address=container_cluster,
                storage_root=root)  # fmt: skip
-    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+    assert job.wait(timeout=120) == JobState.COMPLETED, (job.logs(), job.details())
     printed = [line.split("] ", 1)[-1] for line in job.logs()]
     assert "installed" in printed  # the second command sees what the first did to the image
     assert "no host paths" in printed

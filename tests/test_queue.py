@@ -307,7 +307,7 @@ def ray_row(address: str, job_id: str):
 def host_pid(address: str) -> int:
     from ray.util.state import list_actors
 
-    from orchestrator.scheduler.controller_host import HOST_NAME
+    from orchestrator.controller.host import HOST_NAME
 
     (host,) = list_actors(address=address, filters=[("name", "=", HOST_NAME),
                                                     ("state", "=", "ALIVE")])  # fmt: skip
@@ -337,7 +337,7 @@ def test_an_admitted_job_runs_its_controller_in_the_host_and_shows_as_a_ray_job(
     eventually(lambda: ray_row(address, sleeper.id).status.value == "STOPPED", "row STOPPED", 10)
     quick = push(job(tmp_path / "quick", "echo quick-ran"), address=address, storage_root=root)
     assert quick.wait(timeout=60) == JobState.COMPLETED, quick.logs()
-    assert QueueStore(StorageRoot(root)).entry(quick.id) is None  # it let go of its room
+    eventually(lambda: QueueStore(StorageRoot(root)).entry(quick.id) is None, "its room let go", 10)
     eventually(lambda: ray_row(address, quick.id).status.value == "SUCCEEDED", "SUCCEEDED", 10)
 
 
@@ -359,7 +359,7 @@ def test_a_job_whose_controller_host_dies_fails_with_why_and_lets_go(h100s, tmp_
     cause = stored.status(victim.id).failure.cause
     assert cause.startswith("the controller host's process on the head ended"), cause
     assert after.wait(timeout=90) == JobState.COMPLETED, after.logs()  # its nodes were let go
-    assert QueueStore(StorageRoot(root)).entry(after.id) is None
+    eventually(lambda: QueueStore(StorageRoot(root)).entry(after.id) is None, "after gone", 10)
     assert ray_row(address, victim.id).status.value == "FAILED"
     eventually(lambda: not any("sleep 307" in " ".join(p.info["cmdline"] or [])
                                for p in psutil.process_iter(["cmdline"])),

@@ -14,7 +14,7 @@ from test_queue_pushed import FakeCluster, FakeLauncher, status
 
 from orchestrator.lifecycle import JobState
 from orchestrator.scheduler import orphan_reaper
-from orchestrator.scheduler.launcher import MISSING
+from orchestrator.scheduler.launcher import MISSING, HostGone, HostTable, hosted_standing
 from orchestrator.scheduler.policy import SchedulingPolicy
 from orchestrator.scheduler.root_queue import RootQueue
 from orchestrator.storage.job_store import JobStore
@@ -33,8 +33,12 @@ class FakeHost(FakeLauncher):
         self.incarnation = "host-1"
         self.said: dict[str, str | None] = {}  # job id: what hosted_ended answers
         self.gone_jobs: dict[str, str] = {}
+        self.dies_at_start = False
 
     def launch(self, entry: QueueEntry) -> str | None:
+        if entry.hosted and self.dies_at_start:
+            self.dies_at_start = False
+            raise HostGone("the controller host is gone: ActorDiedError")
         super().launch(entry)
         return self.incarnation if entry.hosted else None  # else a Ray job, as the real one
 
@@ -69,9 +73,15 @@ def entry(root: Path, job_id: str) -> QueueEntry | None:
     return QueueStore(StorageRoot(root)).entry(job_id)
 
 
+def tick(queue: RootQueue) -> None:
+    """One tick, as the service's ticking thread makes it: under the queue's lock."""
+    with queue.lock:
+        queue.tick()
+
+
 def started(root: Path, host: FakeHost, job_id: str) -> RootQueue:
     queue = RootQueue(str(root), SchedulingPolicy(), FakeCluster(), launcher=host)
-    queue.tick()
+    tick(queue)
     eventually(lambda: (e := entry(root, job_id)) is not None and e.hosted_by is not None,
                f"{job_id}'s host to be recorded", 5)  # fmt: skip
     return queue
@@ -84,8 +94,8 @@ def test_an_admitted_job_is_started_in_the_host_and_runs_untouched_while_it_is_t
     queue = started(tmp_path, host, "a")
     stored = entry(tmp_path, "a")
     assert stored.hosted and stored.hosted_by == "host-1" and host.launched == ["a"]
-    queue.tick()
-    queue.tick()
+    tick(queue)
+    tick(queue)
     assert entry(tmp_path, "a") is not None and host.launched == ["a"]  # started once
     assert status(tmp_path, "a").state == JobState.CREATED  # its controller writes from here
 
@@ -93,7 +103,7 @@ def test_an_admitted_job_is_started_in_the_host_and_runs_untouched_while_it_is_t
 def test_a_job_pushed_without_what_the_host_needs_is_started_as_a_ray_job(tmp_path, host):
     push(tmp_path, "old", hostable=False)  # by an older client
     queue = RootQueue(str(tmp_path), SchedulingPolicy(), FakeCluster(), launcher=host)
-    queue.tick()
+    tick(queue)
     eventually(lambda: host.launched == ["old"], "old's controller to be started", 5)
     stored = entry(tmp_path, "old")
     assert not stored.hosted and stored.hosted_by is None and stored.launched_at is not None
@@ -105,7 +115,7 @@ def test_a_job_whose_host_died_fails_with_why_and_frees_its_room(tmp_path, host)
     queue = started(tmp_path, host, "a")
     assert host.launched == ["a"]  # b waits for a's CPUs
     host.incarnation = "host-2"  # the host's process died; the next start makes a new one
-    queue.tick()
+    tick(queue)
     failed = status(tmp_path, "a")
     assert failed.state == JobState.FAILED
     assert failed.failure.cause == "its host died"
@@ -120,7 +130,7 @@ def test_a_hosted_controller_that_ended_without_a_record_fails_its_job(tmp_path,
     push(tmp_path, "a")
     queue = started(tmp_path, host, "a")
     host.said["a"] = "FAILED: the job's controller raised RuntimeError: boom"
-    queue.tick()
+    tick(queue)
     failed = status(tmp_path, "a")
     assert failed.state == JobState.FAILED
     assert failed.failure.cause == "the job's controller raised RuntimeError: boom"
@@ -134,7 +144,7 @@ def test_a_hosted_controller_that_ended_with_its_record_only_leaves_the_queue(tm
     for state in (JobState.DEPLOYING, JobState.RUNNING, JobState.COMPLETED):
         store.put_status(store.status("a").moved_to(state, "its controller's steps"))
     host.said["a"] = "ENDED"  # it let go of its entry too late, or not at all
-    queue.tick()
+    tick(queue)
     assert status(tmp_path, "a").state == JobState.COMPLETED
     assert entry(tmp_path, "a") is None and host.gone_jobs == {}
 
@@ -143,13 +153,41 @@ def test_a_job_its_host_never_took_is_started_again_after_a_grace(tmp_path, host
     push(tmp_path, "a")
     host.launch = lambda e: FakeLauncher.launch(host, e)  # the answer never came back
     queue = RootQueue(str(tmp_path), SchedulingPolicy(), FakeCluster(), launcher=host)
-    queue.tick()
+    tick(queue)
     eventually(lambda: host.launched == ["a"], "a's first start", 5)
-    queue.tick()
+    tick(queue)
     assert host.launched == ["a"]  # within the grace: not started twice
     monkeypatch.setattr(orphan_reaper, "MISSING_GRACE_S", 0.0)
     time.sleep(0.01)
-    queue.tick()  # past it: marked not started ...
-    queue.tick()  # ... and started again
+    tick(queue)  # past it: marked not started, and started again
     eventually(lambda: host.launched == ["a", "a"], "a's second start", 5)
     assert status(tmp_path, "a").state != JobState.FAILED
+
+
+def test_a_job_admitted_as_its_host_dies_is_started_as_a_ray_job(tmp_path, host):
+    push(tmp_path, "a")
+    host.dies_at_start = True
+    queue = RootQueue(str(tmp_path), SchedulingPolicy(), FakeCluster(), launcher=host)
+    tick(queue)
+    eventually(lambda: host.launched == ["a"], "a's controller to be started", 5)
+    stored = entry(tmp_path, "a")
+    assert not stored.hosted and stored.hosted_by is None  # a Ray job: the reaper asks Ray
+    assert status(tmp_path, "a").state == JobState.CREATED
+
+
+def test_the_hosts_table_says_which_hosted_controllers_are_gone_and_why():
+    def standing(table: HostTable, hosted_by: str | None) -> str | None:
+        entry = QueueEntry(job_id="a", pushed_at=1.0, bundle={}, hosted=True, hosted_by=hosted_by)
+        return hosted_standing(table, entry)
+
+    live = HostTable("inc-1", frozenset({"a"}))
+    assert standing(live, "inc-1") is None  # it runs
+    raised = HostTable("inc-1", ended=(("a", "the job's controller raised KeyError: 'x'"),))
+    assert standing(raised, "inc-1") == "FAILED: the job's controller raised KeyError: 'x'"
+    assert standing(HostTable("inc-1", ended=(("a", None),)), "inc-1") == "ENDED"
+    assert standing(HostTable("inc-1"), None) == MISSING  # its start has not answered yet
+    assert standing(HostTable("inc-1"), "inc-1") == "ENDED"  # ran here, forgotten since
+    for table in (HostTable("inc-2"), HostTable(None)):  # another host, or none: it died
+        assert standing(table, "inc-1").startswith(
+            "FAILED: the controller host's process on the head ended"
+        )

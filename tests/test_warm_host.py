@@ -217,8 +217,9 @@ def one_node_job(directory: Path, command: str) -> Path:
 @pytest.fixture
 def warm_cluster(orchestrator_home, monkeypatch):
     """A cluster whose head runs warm controllers (ORCHESTRATOR_WARM_CONTROLLERS in the
-    environment its processes start with)."""
+    environment its processes start with), each its own Ray job (the warm host forks those)."""
     monkeypatch.setenv(settings.WARM_CONTROLLERS.name, "1")
+    monkeypatch.setenv(settings.CONTROLLERS.name, "ray-job")
     cluster, address = simulated_cluster()
     try:
         cluster.add_node(num_cpus=2)

@@ -155,10 +155,7 @@ class JobHandle:
             if (waiting := self._waiting_entry()) is not None:
                 state = stop_waiting(self._store, waiting, timeout)
             elif self._hosted_entry() is not None:
-                # Through the storage root; the cluster is asked first, so a client the cluster
-                # refuses (no token) is refused here too, as a Ray job's stop would be.
-                self._client().get_job_info(self.id)
-                state = stop_hosted(self._store, self.id, timeout)
+                state = self._stop_hosted(timeout)
             else:
                 client = self._client()
                 try:
@@ -309,6 +306,37 @@ class JobHandle:
         entry = queue.entry(self.id) or queue.incoming_entry(self.id)
         return entry if entry is not None and entry.awaits_controller else None
 
+    def _stop_hosted(self, timeout: float) -> JobState:
+        """A job whose controller is a thread of the controller host: stopped through a short
+        Ray job that asks the host (the Job API's authentication, as a Ray job's stop has, and
+        no write to the storage root, which may be out); then its end is waited for."""
+        from orchestrator.client.submit import dashboard_name, remote_python, submit_ray_job
+
+        client = self._client()
+        stop_id = f"{self.id}-stop-{uuid.uuid4().hex[:8]}"
+        entrypoint = shlex.join(
+            [
+                remote_python(self.record.embedded_cluster),
+                "-m",
+                "orchestrator.controller.host",
+                "--stop",
+                self.id,
+            ]
+        )
+        submit_ray_job(self._client, str(self.record.ray_address), stop_id,
+                       entrypoint=entrypoint, entrypoint_num_cpus=0,
+                       metadata={"orchestrator_stop_of": self.id,
+                                 "job_name": f"{dashboard_name(self.record)}: stop"})  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while not (state := self.refresh().state).is_terminal:
+            if client.get_job_status(stop_id).value == "FAILED":
+                info = client.get_job_info(stop_id)
+                raise OrchestratorError(f"could not stop job {self.id}: {info.message}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.id} is still {state.value} after {timeout} s")
+            time.sleep(POLL_S)
+        return state
+
     def _hosted_entry(self) -> QueueEntry | None:
         """The queue's entry of a job whose controller is a thread of the controller host."""
         entry = QueueStore(self._store.root).entry(self.id)
@@ -356,18 +384,6 @@ def stop_waiting(store: JobStore, entry: QueueEntry, timeout: float) -> JobState
             continue
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {entry.job_id} is still {state.value} after {timeout} s")
-        time.sleep(POLL_S / 4)
-    return state
-
-
-def stop_hosted(store: JobStore, job_id: str, timeout: float) -> JobState:
-    """Ask the queue service to stop a job whose controller the controller host runs (the
-    controller flushes and records STOPPED), and wait for its end."""
-    QueueStore(store.root).request_stop(job_id, time.time())
-    deadline = time.monotonic() + timeout
-    while not (state := store.status(job_id).state).is_terminal:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"job {job_id} is still {state.value} after {timeout} s")
         time.sleep(POLL_S / 4)
     return state
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from orchestrator import actor_names
 from orchestrator.cluster.auth import token_file, use_token
 from orchestrator.cluster.processes import (
     POLL_INTERVAL_S,
@@ -347,9 +348,7 @@ def _hosts_controllers(dashboard_url: str) -> bool:
     """Whether the cluster's controller host runs (the state API: no driver needed)."""
     from ray.util.state import list_actors
 
-    from orchestrator.scheduler.controller_host import HOST_NAME
-
-    filters = [("name", "=", HOST_NAME), ("state", "=", "ALIVE")]
+    filters = [("name", "=", actor_names.CONTROLLER_HOST), ("state", "=", "ALIVE")]
     return bool(list_actors(address=dashboard_url, filters=filters, raise_on_missing_output=False))
 
 
@@ -368,7 +367,7 @@ def _stop_jobs(info: LocalClusterInfo, timeout: float) -> None:
         if _hosts_controllers(dashboard_url):  # their stop, in a Ray job of its own
             active.append(client.submit_job(
                 entrypoint=f"{shlex.quote(sys.executable)} -m "
-                f"orchestrator.scheduler.controller_host {max(timeout - 5, 1):g}",
+                f"orchestrator.controller.host --stop-all {max(timeout - 5, 1):g}",
                 entrypoint_num_cpus=0,
             ))  # fmt: skip
         deadline = time.monotonic() + timeout

@@ -11,6 +11,7 @@ hand_over_or_return("orchestrator.controller")  # a warm host forks it: this nev
 import argparse  # noqa: E402 (a controller forked warm has these imported already)
 import contextlib  # noqa: E402
 import threading  # noqa: E402
+import traceback  # noqa: E402
 
 import ray  # noqa: E402
 
@@ -21,10 +22,17 @@ from orchestrator.scheduler import QUEUE_SERVICE_NAME  # noqa: E402
 def reach_queue_service(storage_root: str, job_id: str) -> None:
     """A new driver's first call to an actor waits ~80 ms for the actor's address; made while
     the controller's modules import, the job's admission is then one call of ~2 ms. (None on a
-    cluster's first job: the controller starts the service.)"""
+    cluster's first job: the controller starts the service.) Then the controller host is
+    started if it is not running, for the jobs the service admits after this one."""
     with contextlib.suppress(Exception):
         service = ray.get_actor(QUEUE_SERVICE_NAME, namespace=NAMESPACE)
         ray.get(service.admission.remote(storage_root, job_id), timeout=30)
+    from orchestrator.controller.host import ensure_host
+
+    try:
+        ensure_host()
+    except Exception:  # the service starts the next jobs as Ray jobs, which try again
+        traceback.print_exc()
 
 
 parser = argparse.ArgumentParser(prog="python -m orchestrator.controller")

@@ -171,7 +171,7 @@ class RayJobQueue:
 
 
 class HostedJobQueue(RayJobQueue):
-    """The queue, for a controller the controller host runs (scheduler/controller_host.py):
+    """The queue, for a controller the controller host runs (controller/host.py):
     the service knows it lives by asking the host, not Ray's job table."""
 
     hosted = True

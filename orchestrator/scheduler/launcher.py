@@ -1,7 +1,7 @@
 """Starting an admitted job's controller (`ControllerLauncher`): a pushed job waits in the queue
 as a file and a line in the service's memory, with no process of its own; when the queue admits
 it, the service starts its controller: by default as a thread of the head's controller host
-(`HostedLauncher`, scheduler/controller_host.py), or, with ORCHESTRATOR_CONTROLLERS=ray-job, as
+(`HostedLauncher`; the host is controller/host.py), or, with ORCHESTRATOR_CONTROLLERS=ray-job, as
 a Ray job of its own (`RayJobLauncher`, through the head's own Job API).
 
 As a Ray job, the job id is its submission id: a second submission of the same job (a service
@@ -12,9 +12,10 @@ same job. The host, likewise, starts a job's controller once.
 from __future__ import annotations
 
 import traceback
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from orchestrator import ray_private
+from orchestrator import actor_names, ray_private
 from orchestrator.storage.queue_store import QueueEntry
 
 ENDED = ("FAILED", "STOPPED", "SUCCEEDED")
@@ -22,8 +23,56 @@ MISSING = "its Ray job does not exist"
 HOST_ASK_S = 10.0  # the controller host's answer; none: asked again at the next tick
 
 
+@dataclass(frozen=True)
+class HostedJob:
+    """What the controller host starts a job's controller with (ControllerHost.start)."""
+
+    job_id: str
+    storage_root: str
+    scheduling_timeout_s: float
+    entrypoint: str  # for its row in Ray's job table: what the dashboard shows
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class HostTable:
+    """What the controller host says of its controllers (ControllerHost.table)."""
+
+    incarnation: str | None  # None: no host runs
+    running: frozenset[str] = frozenset()
+    ended: tuple[tuple[str, str | None], ...] = ()  # job id, why (None: its end was recorded)
+
+    def why_ended(self, job_id: str) -> tuple[bool, str | None]:
+        """Whether the job's controller ended here, and why (None: it recorded its end)."""
+        for ended, why in self.ended:
+            if ended == job_id:
+                return True, why
+        return False, None
+
+
+def hosted_standing(table: HostTable, entry: QueueEntry) -> str | None:
+    """What `hosted_ended` answers for a hosted entry, from the host's table."""
+    if entry.job_id in table.running:
+        return None
+    ended, why = table.why_ended(entry.job_id)
+    if ended:
+        return "ENDED" if why is None else f"FAILED: {why}"
+    if entry.hosted_by is None:
+        return MISSING
+    if entry.hosted_by != table.incarnation:
+        return (
+            "FAILED: the controller host's process on the head ended (it died or was "
+            "killed), and this job's controller with it; what it held was released"
+        )
+    return "ENDED"  # it ran here, and ended long enough ago to be forgotten
+
+
 class LaunchFailed(Exception):
     """The controller's Ray job could not be submitted; the message says why."""
+
+
+class HostGone(LaunchFailed):
+    """The controller host is not running: the job is started as a Ray job instead."""
 
 
 class ControllerLauncher(Protocol):
@@ -119,16 +168,21 @@ class RayJobLauncher:
 
 
 class HostedLauncher(RayJobLauncher):
-    """Controllers as threads of the head's controller host; the Job API still for the Ray-job
-    controllers a push starts itself (a root's first push, a job mirroring weights)."""
-
-    hosts = True
+    """Controllers as threads of the head's controller host, found by name; the Job API for the
+    Ray-job controllers a push starts itself (a root's first push, a job mirroring weights) and
+    for the jobs admitted while no host runs (a Ray-job controller starts one again: the host's
+    class is the controller layer's, controller/host.py)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._host: Any = None
-        self._table: dict[str, Any] | None = None
+        self._table: HostTable | None = None
         self._table_at = -1.0
+
+    @property
+    def hosts(self) -> bool:  # type: ignore[override]
+        """Whether a controller host runs (its table answers)."""
+        table = self.table()
+        return table is not None and table.incarnation is not None
 
     def launch(self, entry: QueueEntry) -> str | None:
         if not entry.hosted:
@@ -138,19 +192,16 @@ class HostedLauncher(RayJobLauncher):
 
         launch = entry.launch
         assert launch is not None and launch.storage_root and launch.scheduling_timeout_s
-        row = {"entrypoint": launch.entrypoint, "metadata": launch.metadata}
-        for tries_left in (1, 0):  # a host known to have died: a new one is started
-            try:
-                incarnation = ray.get(self.host().start.remote(
-                    entry.job_id, launch.storage_root, launch.scheduling_timeout_s, row
-                ), timeout=HOST_ASK_S)  # fmt: skip
-                break
-            except Exception as e:
-                self._host = None
-                if not (tries_left and isinstance(e, RayActorError)):
-                    raise LaunchFailed(
-                        f"the controller host did not take it: {type(e).__name__}: {e}"
-                    ) from e
+        job = HostedJob(entry.job_id, launch.storage_root, launch.scheduling_timeout_s,
+                        launch.entrypoint, tuple(sorted(launch.metadata.items())))  # fmt: skip
+        try:
+            incarnation = ray.get(self._host().start.remote(job), timeout=HOST_ASK_S)
+        except (ValueError, RayActorError) as e:
+            self._table = None
+            raise HostGone(f"the controller host is gone: {type(e).__name__}") from e
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+            raise LaunchFailed(f"the controller host did not take it: {why}") from e
         self._table = None  # read afresh: it runs there now
         return str(incarnation)
 
@@ -158,30 +209,15 @@ class HostedLauncher(RayJobLauncher):
         import ray
 
         try:
-            if ray.get(self.host().stop.remote(job_id), timeout=HOST_ASK_S):
+            if ray.get(self._host().stop.remote(job_id), timeout=HOST_ASK_S):
                 return
         except Exception:
-            self._host = None
+            pass
         super().stop(job_id)  # a Ray-job controller (or none: nothing happens)
 
     def hosted_ended(self, entry: QueueEntry) -> str | None:
         table = self.table()
-        if table is None:
-            return None
-        job_id = entry.job_id
-        if job_id in table["running"]:
-            return None
-        if job_id in table["ended"]:
-            why = table["ended"][job_id]
-            return "ENDED" if why is None else f"FAILED: {why}"
-        if entry.hosted_by is None:
-            return MISSING
-        if entry.hosted_by != table["incarnation"]:
-            return (
-                "FAILED: the controller host's process on the head ended (it died or was "
-                "killed), and this job's controller with it; what it held was released"
-            )
-        return "ENDED"  # it ran here, and ended long enough ago to be forgotten
+        return None if table is None else hosted_standing(table, entry)
 
     def gone(self, job_id: str, cause: str) -> None:
         from orchestrator import ray_private
@@ -191,7 +227,7 @@ class HostedLauncher(RayJobLauncher):
         except Exception:  # the dashboard's row only: the job's own status is what counts
             traceback.print_exc()
 
-    def table(self) -> dict[str, Any] | None:
+    def table(self) -> HostTable | None:
         """The host's table, read at most once a second; an empty one when no host runs (a
         host that died is gone by name: every controller it ran is gone too). None when the
         host does not answer."""
@@ -201,24 +237,20 @@ class HostedLauncher(RayJobLauncher):
 
         if self._table is not None and time.monotonic() - self._table_at < 1.0:
             return self._table
-        from orchestrator.agents.services import NAMESPACE
-        from orchestrator.scheduler.controller_host import HOST_NAME
-
         try:
-            host = ray.get_actor(HOST_NAME, namespace=NAMESPACE)
+            host = self._host()
         except ValueError:
-            self._table = {"incarnation": None, "running": [], "ended": {}}
+            self._table = HostTable(incarnation=None)
         else:
             try:
-                self._table = dict(ray.get(host.table.remote(), timeout=HOST_ASK_S))
+                self._table = ray.get(host.table.remote(), timeout=HOST_ASK_S)
             except Exception:
                 return None
         self._table_at = time.monotonic()
         return self._table
 
-    def host(self) -> Any:
-        if self._host is None:
-            from orchestrator.scheduler.controller_host import controller_host
+    def _host(self) -> Any:
+        """The host's handle, by name; ValueError when none runs."""
+        import ray
 
-            self._host = controller_host()
-        return self._host
+        return ray.get_actor(actor_names.CONTROLLER_HOST, namespace=actor_names.NAMESPACE)

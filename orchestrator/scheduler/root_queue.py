@@ -31,7 +31,7 @@ from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.cluster_reader import ClusterReader
 from orchestrator.scheduler.image_prefetch import ImagePrefetch, Pull
 from orchestrator.scheduler.job_notes import JobNotes
-from orchestrator.scheduler.launcher import ControllerLauncher, LaunchFailed
+from orchestrator.scheduler.launcher import ControllerLauncher, HostGone, LaunchFailed
 from orchestrator.scheduler.model import Decision
 from orchestrator.scheduler.orphan_reaper import OrphanReaper
 from orchestrator.scheduler.policy import SchedulingPolicy
@@ -224,7 +224,15 @@ class RootQueue:
             if self.notes.ended(entry.job_id):  # stopped by a client while no service ran
                 self._leave(entry.job_id)
                 return
-            hosted_by = self.launcher.launch(entry)
+            try:
+                hosted_by = self.launcher.launch(entry)
+            except HostGone:  # as a Ray job, whose controller starts a host again
+                with self.lock:
+                    if (current := self.queue.ledger.get(entry.job_id)) is None:
+                        return  # stopped meanwhile
+                    self.queue.ledger.update(current, hosted=False)
+                    entry = self.queue.ledger[entry.job_id]
+                hosted_by = self.launcher.launch(entry)
             if hosted_by is not None:
                 with self.lock:
                     if (current := self.queue.ledger.get(entry.job_id)) is not None:

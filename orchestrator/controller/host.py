@@ -12,7 +12,8 @@ anyway is recorded FAILED here; and the queue service asks the host which contro
 (`table`), so one that is gone without recording its end is failed with a cause, as a dead
 Ray job's is. The host is a detached actor that Ray does not restart: when its process dies,
 so do the agents and placement groups its controllers held, the service fails their jobs, and
-the next admission starts a new host (a new `incarnation`).
+the next controller that is a Ray job of its own (a root's first push, or the job the service
+starts that way because no host runs) starts a new host (a new `incarnation`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-HOST_NAME = "orchestrator-controllers"
+from orchestrator import actor_names, settings
+from orchestrator.scheduler.launcher import HostedJob, HostTable
+
+HOST_NAME = actor_names.CONTROLLER_HOST
 ENDED_KEPT = 1000  # how many ended controllers the host remembers (the service reads them)
 
 
@@ -37,41 +41,41 @@ class ControllerHost:
         self.threads: dict[str, threading.Thread] = {}
         self.stop_events: dict[str, threading.Event] = {}
         self.ended: dict[str, str | None] = {}  # job id: None, or why it ended without a record
+        self.stopped_early: set[str] = set()  # stops of jobs not started (yet)
 
-    def start(
-        self, job_id: str, storage_root: str, scheduling_timeout_s: float,
-        row: dict[str, Any] | None = None,
-    ) -> str:  # fmt: skip
-        """Start the job's controller unless this host runs or ran it; the host's incarnation.
-        `row`: its entrypoint and metadata, for its row in Ray's job table (the dashboard)."""
+    def start(self, job: HostedJob) -> str:
+        """Start the job's controller unless this host runs or ran it; the host's incarnation."""
         with self.lock:
-            if job_id not in self.threads and job_id not in self.ended:
-                self.stop_events[job_id] = threading.Event()
-                thread = threading.Thread(
-                    target=self._run, args=(job_id, storage_root, scheduling_timeout_s, row),
-                    name=f"controller-{job_id}", daemon=True,
-                )  # fmt: skip
-                self.threads[job_id] = thread
+            if job.job_id not in self.threads and job.job_id not in self.ended:
+                event = self.stop_events[job.job_id] = threading.Event()
+                if job.job_id in self.stopped_early:
+                    self.stopped_early.discard(job.job_id)
+                    event.set()
+                thread = threading.Thread(target=self._run, args=(job,),
+                                          name=f"controller-{job.job_id}", daemon=True)  # fmt: skip
+                self.threads[job.job_id] = thread
                 thread.start()
         return self.incarnation
 
     def stop(self, job_id: str) -> bool:
-        """Ask the job's controller to stop (it flushes and records STOPPED); whether it runs."""
+        """Ask the job's controller to stop (it flushes and records STOPPED); whether it runs.
+        A job not started yet starts stopped (the service may be about to start it)."""
         with self.lock:
             event = self.stop_events.get(job_id)
+            if event is None and job_id not in self.ended:
+                self.stopped_early.add(job_id)
+                while len(self.stopped_early) > ENDED_KEPT:
+                    self.stopped_early.pop()
         if event is not None:
             event.set()
         return event is not None
 
-    def table(self) -> dict[str, Any]:
+    def table(self) -> HostTable:
         """This host's incarnation, the job ids whose controllers run, and those that ended
         (with why, for one that ended without recording its end)."""
         with self.lock:
-            return {
-                "incarnation": self.incarnation,
-                "running": sorted(self.threads),
-                "ended": dict(self.ended),
-            }
+            return HostTable(self.incarnation, frozenset(self.threads),
+                             tuple(self.ended.items()))  # fmt: skip
 
     def stop_all(self, timeout_s: float) -> list[str]:
         """Stop every controller and wait for them (up to `timeout_s`); those still running."""
@@ -85,19 +89,17 @@ class ControllerHost:
         with self.lock:
             return sorted(self.threads)
 
-    def _run(
-        self, job_id: str, storage_root: str, scheduling_timeout_s: float,
-        row: dict[str, Any] | None,
-    ) -> None:  # fmt: skip
+    def _run(self, job: HostedJob) -> None:
         from orchestrator.controller.controller import JobController
         from orchestrator.controller.queueing import HostedJobQueue
         from orchestrator.storage.job_store import JobStore
 
-        why: str | None = None
-        shown = JobRow(job_id, row)
+        job_id, why = job.job_id, None
+        shown = JobRow(job)
         try:
-            controller = JobController(JobStore(storage_root), job_id, scheduling_timeout_s,
-                                       queue=HostedJobQueue, echo=shown.log)  # fmt: skip
+            controller = JobController(JobStore(job.storage_root), job_id,
+                                       job.scheduling_timeout_s, queue=HostedJobQueue,
+                                       echo=shown.log)  # fmt: skip
             with self.lock:  # a stop asked while it was being made is carried over
                 if self.stop_events[job_id].is_set():
                     controller.stop_requested.set()
@@ -105,10 +107,10 @@ class ControllerHost:
             state = controller.run()
             history = controller.status.history
             shown.end(state.value, history[-1].reason if history else None)
-        except BaseException as e:
+        except BaseException as e:  # a thread's end: said, never raised further
             traceback.print_exc()
             why = f"the job's controller raised {type(e).__name__}: {e}"
-            record_failed(storage_root, job_id, why)
+            record_failed(job.storage_root, job_id, why)
             shown.end("FAILED", why)
         finally:
             with self.lock:
@@ -126,21 +128,19 @@ class JobRow:
 
     STATES = {"COMPLETED": "SUCCEEDED", "STOPPED": "STOPPED"}  # any other end: FAILED
 
-    def __init__(self, job_id: str, row: dict[str, Any] | None) -> None:
-        self.job_id = job_id
+    def __init__(self, job: HostedJob) -> None:
+        self.job_id = job_id = job.job_id
         self.log: TextIO | None = None
-        if row is None:
-            return
         try:
             from orchestrator import ray_private
 
             agent, node_id, logs = ray_private.job_driver_place()
             self.log = open(Path(logs) / f"job-driver-{job_id}.log", "a", buffering=1)  # noqa: SIM115
             ray_private.put_job_row(job_id, {
-                "status": "RUNNING", "entrypoint": row["entrypoint"],
+                "status": "RUNNING", "entrypoint": job.entrypoint,
                 "message": "its controller runs in the controller host (orchestrator-controllers)",
                 "start_time": int(time.time() * 1000), "entrypoint_num_cpus": 0,
-                "metadata": {**row["metadata"], "orchestrator_controller": "hosted"},
+                "metadata": {**dict(job.metadata), "orchestrator_controller": "hosted"},
                 "driver_agent_http_address": agent, "driver_node_id": node_id,
             })  # fmt: skip
         except Exception:
@@ -176,17 +176,35 @@ def record_failed(storage_root: str, job_id: str, cause: str) -> None:
         traceback.print_exc()
 
 
-def controller_host() -> Any:
-    """The cluster's controller host, started on this node (the head) if it is not running."""
+def ensure_host() -> None:
+    """Start the cluster's controller host on this node (the head) unless it runs or the head
+    says controllers are Ray jobs: called by each controller that is a Ray job of its own, so
+    the queue service, which finds the host by name, has one again after it died."""
     import ray
 
     from orchestrator.agents.services import NAMESPACE, shared_actor
 
+    if settings.CONTROLLERS.get() != "hosted":
+        return
     try:
-        return ray.get_actor(HOST_NAME, namespace=NAMESPACE)
+        ray.get_actor(HOST_NAME, namespace=NAMESPACE)
     except ValueError:
-        pass
-    return shared_actor(ControllerHost, HOST_NAME, pinned_here=True, max_concurrency=64)
+        shared_actor(ControllerHost, HOST_NAME, pinned_here=True, max_concurrency=64)
+
+
+def stop_controller(job_id: str) -> bool:
+    """Stop one hosted controller of the cluster this driver is connected to (`orchestrator
+    stop`, through a Ray job: the Job API's authentication, and no storage needed); whether it
+    was running."""
+    import ray
+
+    from orchestrator.agents.services import NAMESPACE
+
+    try:
+        host = ray.get_actor(HOST_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return bool(ray.get(host.stop.remote(job_id), timeout=60))
 
 
 def stop_every_controller(timeout_s: float) -> list[str]:
@@ -203,12 +221,28 @@ def stop_every_controller(timeout_s: float) -> list[str]:
     return list(ray.get(host.stop_all.remote(timeout_s), timeout=timeout_s + 30))
 
 
-if __name__ == "__main__":  # `python -m orchestrator.scheduler.controller_host STOP_TIMEOUT_S`
-    import sys
+def main(argv: list[str]) -> int:
+    """`python -m orchestrator.controller.host --stop JOB_ID | --stop-all TIMEOUT_S`"""
+    import argparse
 
     import ray
 
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.controller.host")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--stop", metavar="JOB_ID")
+    what.add_argument("--stop-all", metavar="TIMEOUT_S", type=float)
+    args = parser.parse_args(argv)
     ray.init(address="auto", log_to_driver=False)
-    left = stop_every_controller(float(sys.argv[1]))
+    if args.stop:
+        running = stop_controller(args.stop)
+        print(f"job {args.stop}: " + ("its controller stops" if running else "not running here"))
+        return 0
+    left = stop_every_controller(args.stop_all)
     print(f"controllers still running: {', '.join(left)}" if left else "every controller ended")
-    sys.exit(1 if left else 0)
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
