@@ -240,8 +240,8 @@ def orchestrator_breakdown(s: Sample) -> list[tuple[str, float]]:
     )
     return [
         ("push: load config, archive, store record (-> CREATED)", created - s.submitted),
-        ("push: Ray submit_job (CREATED -> push returned)", s.returned - created),
-        ("Ray starts the controller; imports, ray.init (-> 1st log line)", up - s.returned),
+        ("push: queue entry (CREATED -> push returned)", s.returned - created),
+        ("the controller starts (hosted: a thread) (-> 1st log line)", up - s.returned),
         ("placement group (1st log line -> DEPLOYING)", deploying - up),
         ("NodeAgent actor start + prepare (DEPLOYING -> RUNNING)", running - deploying),
         ("RUNNING -> script printed its line", s.printed - running),
@@ -331,8 +331,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-first-line-"))
     # Private cluster, storage and node dirs; `push` finds the cluster through ORCHESTRATOR_HOME.
     os.environ.pop("RAY_ADDRESS", None)
-    os.environ.update(embedded_env())
     os.environ["ORCHESTRATOR_HOME"] = str(work / "home")
+    os.environ.update(embedded_env())  # the token file of that home
     os.environ["ORCHESTRATOR_NODE_ROOT"] = str(work / "nodes")  # the agents' working dirs
     cluster = LocalCluster(state_dir=work / "home" / "local-cluster")
     info: LocalClusterInfo | None = None

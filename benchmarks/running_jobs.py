@@ -94,9 +94,9 @@ def wait(predicate, what: str, timeout: float = 600) -> None:  # type: ignore[no
 
 def run_mode(mode: str, jobs: int, cpus: int) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix=f"bench-running-{mode}-"))
-    os.environ.update(embedded_env())
     os.environ.update(ORCHESTRATOR_HOME=str(work / "home"), ORCHESTRATOR_CONTROLLERS=mode,
                       ORCHESTRATOR_NODE_ROOT=str(work / "nodes"))  # fmt: skip
+    os.environ.update(embedded_env())  # the token file of that home
     root = str(work / "storage")
     cluster = LocalCluster(state_dir=work / "home" / "local-cluster")
     try:

@@ -191,3 +191,21 @@ def test_the_hosts_table_says_which_hosted_controllers_are_gone_and_why():
         assert standing(table, "inc-1").startswith(
             "FAILED: the controller host's process on the head ended"
         )
+
+
+def test_a_hosted_controller_that_raises_fails_its_job_and_the_host_says_why(tmp_path):
+    """Without Ray: the host runs a controller whose job has a status but no record."""
+    from orchestrator.controller.host import ControllerHost
+    from orchestrator.scheduler.launcher import HostedJob
+
+    JobStore(StorageRoot(tmp_path)).put_status(JobStatus.new("broken", "submitted"))
+    host = ControllerHost()
+    assert host.stop("later") is False  # not started: kept, it starts stopped
+    incarnation = host.start(HostedJob("broken", str(tmp_path), 600.0, ": 'p/broken'"))
+    assert host.start(HostedJob("broken", str(tmp_path), 600.0, "")) == incarnation  # once
+    eventually(lambda: "broken" not in host.table().running, "the controller to end", 10)
+    ended, why = host.table().why_ended("broken")
+    assert ended and why.startswith("the job's controller raised JobNotFound")
+    failed = status(tmp_path, "broken")
+    assert failed.state == JobState.FAILED and failed.failure.cause == why
+    assert host.table().incarnation == incarnation and "later" in host.stopped_early

@@ -1,10 +1,10 @@
 """Controllers hosted in one resident process on the head (`ControllerHost`), a thread each.
 
 A controller started as its own Ray job pays Ray's JobSupervisor actor (a worker process), a
-shell and a Python interpreter with its imports: about 6 CPU-seconds and 150-280 MiB on the
-head for each running job, and 3-4 s before its first step. The queue service starts the jobs
-it admits here instead: the host has imported everything once, so a controller is a thread
-that starts in milliseconds and costs what its own objects take.
+shell and a Python interpreter with its imports: 146 MiB (USS) on the head for each running
+job, and 1-4 s before its first step. The queue service starts the jobs it admits here
+instead: the host has imported everything once, so a controller is a thread that starts in
+milliseconds and costs what its own objects take (about 4 MiB; docs/performance.md).
 
 What a thread cannot have, the host does for it: a stop is asked of the host (`stop`), which
 sets the controller's stop event as its SIGTERM handler would; a controller that raised
