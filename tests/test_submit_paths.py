@@ -18,6 +18,8 @@ from orchestrator.client.api import get_job, push
 from orchestrator.cluster.local import LocalCluster, embedded_env
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.lifecycle import JobState
+from orchestrator.storage.queue_store import QueueStore
+from orchestrator.storage.root import StorageRoot
 
 pytestmark = pytest.mark.cluster  # starts Ray itself (a simulated or local cluster)
 
@@ -146,6 +148,8 @@ def test_stopping_the_cluster_stops_its_jobs_and_what_they_stored_outlives_it(
         config = make_job(tmp_path / "sleeper", HELLO, {"hello.py": SLEEPER})
         running = push(config, address=info.dashboard_url, storage_root=storage_root)
         wait_for_line(running, "up")
+        # Its controller is a thread of the controller host: the stop reaches it there.
+        assert QueueStore(StorageRoot(storage_root)).entry(running.id).hosted
     finally:
         cluster.stop()
     assert cluster.status() is None
