@@ -18,6 +18,7 @@ starts that way because no host runs) starts a new host (a new `incarnation`).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import traceback
@@ -97,8 +98,9 @@ class ControllerHost:
         job_id, why = job.job_id, None
         shown = JobRow(job)
         try:
+            queue = functools.partial(HostedJobQueue, incarnation=self.incarnation)
             controller = JobController(JobStore(job.storage_root), job_id,
-                                       job.scheduling_timeout_s, queue=HostedJobQueue,
+                                       job.scheduling_timeout_s, queue=queue,
                                        echo=shown.log)  # fmt: skip
             with self.lock:  # a stop asked while it was being made is carried over
                 if self.stop_events[job_id].is_set():

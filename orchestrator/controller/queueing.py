@@ -60,9 +60,7 @@ class JobQueue(Protocol):
     def release(self) -> None: ...
 
 
-def queue_entry(record: JobRecord, ray_job_id: str | None, hosted: bool = False) -> QueueEntry:
-    if hosted:  # a thread of the controller host: no Ray job, no driver of its own
-        return entry_for(record, hosted=True)
+def queue_entry(record: JobRecord, ray_job_id: str | None) -> QueueEntry:
     return entry_for(
         record, ray_job_id=ray_job_id,
         submission_id=os.environ.get("RAY_JOB_SUBMISSION_ID") or record.job_id,
@@ -73,14 +71,12 @@ class RayJobQueue:
     """The job's storage root's queue in the cluster's queue service, called from the
     controller (on the head node)."""
 
-    hosted = False
-
     def __init__(self, record: JobRecord, say: Callable[[str], None]) -> None:
         import ray
 
         self.record = record
         self.say = say
-        self.entry = queue_entry(record, ray.get_runtime_context().get_job_id(), self.hosted)
+        self.entry = queue_entry(record, ray.get_runtime_context().get_job_id())
         self.service: Any = None
         self.next_look = 0.0
         self.enqueued = False
@@ -171,7 +167,10 @@ class RayJobQueue:
 
 
 class HostedJobQueue(RayJobQueue):
-    """The queue, for a controller the controller host runs (controller/host.py):
-    the service knows it lives by asking the host, not Ray's job table."""
+    """The queue, for a controller the controller host runs (controller/host.py): its entry
+    names the host's incarnation instead of a Ray driver, so the service asks the host whether
+    it lives, also for an entry this controller enqueues again itself."""
 
-    hosted = True
+    def __init__(self, record: JobRecord, say: Callable[[str], None], incarnation: str) -> None:
+        super().__init__(record, say)
+        self.entry = entry_for(record, hosted=True, hosted_by=incarnation)
