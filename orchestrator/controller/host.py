@@ -24,7 +24,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from orchestrator import actor_names, settings
 from orchestrator.scheduler.launcher import HostedJob, HostTable
@@ -182,16 +182,22 @@ def ensure_host() -> None:
     """Start the cluster's controller host on this node (the head) unless it runs or the head
     says controllers are Ray jobs: called by each controller that is a Ray job of its own, so
     the queue service, which finds the host by name, has one again after it died."""
+    from orchestrator.agents.services import shared_actor
+
+    if settings.CONTROLLERS.get() == "hosted" and _running_host() is None:
+        shared_actor(ControllerHost, HOST_NAME, pinned_here=True, max_concurrency=64)
+
+
+def _running_host() -> Any | None:
+    """The cluster's controller host, for a driver connected to it; None when none runs."""
     import ray
 
-    from orchestrator.agents.services import NAMESPACE, shared_actor
+    from orchestrator.agents.services import NAMESPACE
 
-    if settings.CONTROLLERS.get() != "hosted":
-        return
     try:
-        ray.get_actor(HOST_NAME, namespace=NAMESPACE)
+        return ray.get_actor(HOST_NAME, namespace=NAMESPACE)
     except ValueError:
-        shared_actor(ControllerHost, HOST_NAME, pinned_here=True, max_concurrency=64)
+        return None
 
 
 def stop_controller(job_id: str) -> bool:
@@ -200,13 +206,8 @@ def stop_controller(job_id: str) -> bool:
     was running."""
     import ray
 
-    from orchestrator.agents.services import NAMESPACE
-
-    try:
-        host = ray.get_actor(HOST_NAME, namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return bool(ray.get(host.stop.remote(job_id), timeout=60))
+    host = _running_host()
+    return host is not None and bool(ray.get(host.stop.remote(job_id), timeout=60))
 
 
 def stop_every_controller(timeout_s: float) -> list[str]:
@@ -214,11 +215,8 @@ def stop_every_controller(timeout_s: float) -> list[str]:
     job ids still running after `timeout_s`. (`orchestrator cluster stop`, through a Ray job.)"""
     import ray
 
-    from orchestrator.agents.services import NAMESPACE
-
-    try:
-        host = ray.get_actor(HOST_NAME, namespace=NAMESPACE)
-    except ValueError:
+    host = _running_host()
+    if host is None:
         return []
     return list(ray.get(host.stop_all.remote(timeout_s), timeout=timeout_s + 30))
 
