@@ -104,6 +104,33 @@ for item in agent.run_commands(request):
 """
 
 
+# What a Ray worker does as it exits (`ray.kill`, its owner gone): SIGKILL its direct children.
+RAY_EXIT = """
+import os, signal, psutil
+for child in psutil.Process().children():
+    os.kill(child.pid, signal.SIGKILL)
+os._exit(1)
+"""
+
+
+def test_an_agent_whose_worker_ray_ends_leaves_no_orphan(tmp_path):
+    """Ray SIGKILLs an exiting worker's direct children: the guard is one, so what the command
+    started must end all the same, not be left running under init."""
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent(AGENT_SCRIPT) + "    exec(sys.argv[2])\n")
+    agent = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), RAY_EXIT], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        first = agent.stdout.readline()
+        pid = int(first.split("pid ")[1].split("'")[0])
+        agent.wait(timeout=30)
+        assert gone(pid, timeout=10), "the command outlived its agent's worker"
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+
+
 def test_a_killed_agent_leaves_no_orphan(tmp_path):
     script = tmp_path / "agent.py"
     script.write_text(textwrap.dedent(AGENT_SCRIPT))

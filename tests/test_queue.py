@@ -353,6 +353,12 @@ def test_a_job_whose_controller_host_dies_fails_with_why_and_lets_go(h100s, tmp_
                  storage_root=root)  # fmt: skip
     eventually(lambda: after.status() == JobState.PENDING, "the next job to wait", 60)
 
+    def victims() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if "sleep 307" in " ".join(
+            p.info["cmdline"] or [])]  # fmt: skip
+
+    eventually(lambda: len(victims()) >= 4, "the victim's four ranks' commands to run", 30)
+    commands = victims()
     os.kill(host_pid(address), signal.SIGKILL)
     stored = JobStore(StorageRoot(root))
     eventually(lambda: stored.status(victim.id).state == JobState.FAILED, "FAILED", 60)
@@ -361,10 +367,10 @@ def test_a_job_whose_controller_host_dies_fails_with_why_and_lets_go(h100s, tmp_
     assert after.wait(timeout=90) == JobState.COMPLETED, after.logs()  # its nodes were let go
     eventually(lambda: QueueStore(StorageRoot(root)).entry(after.id) is None, "after gone", 10)
     assert ray_row(address, victim.id).status.value == "FAILED"
-    # Not asserted: that the dead job's commands end. Ray kills a dying agent worker's direct
-    # children (the command's guard) with SIGKILL before the guard can kill the command's
-    # group, so `sh -c 'sleep 307'` can be left running (seen in 2 of about 10 runs); see the
-    # session note: the guard must outlive its agent by not being its child.
+    # Its agents died with the host's placement groups: Ray SIGKILLs each agent's guard, and
+    # the guard's watcher ends the command's group.
+    _, alive = psutil.wait_procs(commands, timeout=30)
+    assert not alive, f"the dead job's commands still run: {alive}"
 
 
 def test_fifty_small_jobs_from_three_teams_all_run_within_their_quotas(

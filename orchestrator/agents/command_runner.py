@@ -33,6 +33,9 @@ from orchestrator.sizes import human_bytes
 # (a killed worker, a lost node), the guard notices its parent is gone and kills the group, so
 # no training process is orphaned. It ignores SIGTERM itself, so a stop reaches the command and
 # the guard reports the command's own exit code.
+# Ray SIGKILLs an exiting worker's direct children (`ray.kill`, its owner gone): the guard is
+# one, so it forks a watcher, its own child, that ends the group when the guard dies without
+# saying it is done (end of file on a pipe only the guard writes).
 # A container lives outside the group (podman's conmon holds it): the guard removes it first,
 # with the command given in $ORCHESTRATOR_GUARD_CLEANUP.
 _GUARD = """
@@ -40,6 +43,20 @@ import json, os, signal, subprocess, sys
 agent = int(sys.argv[1])
 cleanup = json.loads(os.environ.pop("ORCHESTRATOR_GUARD_CLEANUP", "null"))
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def end_group():
+    if cleanup:
+        subprocess.run(cleanup, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.killpg(0, signal.SIGKILL)
+done_r, done_w = os.pipe()
+if os.fork() == 0:
+    os.close(done_w)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    if not os.read(done_r, 1):
+        end_group()
+    os._exit(0)
+os.close(done_r)
 restore = lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)  # noqa: E731
 child = subprocess.Popen(sys.argv[2:], preexec_fn=restore)
 while True:
@@ -48,9 +65,8 @@ while True:
         break
     except subprocess.TimeoutExpired:
         if os.getppid() != agent:
-            if cleanup:
-                subprocess.run(cleanup, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            os.killpg(0, signal.SIGKILL)
+            end_group()
+os.write(done_w, b"d")
 sys.exit(child.returncode if child.returncode >= 0 else 128 - child.returncode)
 """
 LAST_LINES = 50

@@ -43,7 +43,8 @@ DISK_WALK_SHARE = 0.005  # walks of the directories get at most this share of on
 
 
 class ProcessTree:
-    """CPU and memory of the processes under one root (the root itself, our guard, left out).
+    """CPU and memory of the processes under one root (the root itself, our guard, and the
+    guard's watcher, a fork of it, left out).
 
     CPU is the time each process used since the last sample, so a process that starts and ends
     between two samples is not seen, and RSS is summed (pages shared between processes count
@@ -58,7 +59,7 @@ class ProcessTree:
         """(cores, rss bytes, processes)."""
         now = time.time()
         try:
-            procs = psutil.Process(root_pid).children(recursive=True) if root_pid else []
+            procs = _commands(psutil.Process(root_pid)) if root_pid else []
         except psutil.Error:
             procs = []
         cpu: dict[tuple[int, float], float] = {}
@@ -81,6 +82,17 @@ class ProcessTree:
         self._cpu, self._at = cpu, now
         cores = used / (now - since) if now - since > 1e-3 else 0.0
         return round(max(cores, 0.0), 3), rss, len(cpu)
+
+
+def _commands(root: psutil.Process) -> list[psutil.Process]:
+    """What runs under `root` but its own forks (the guard's watcher has its command line)."""
+    line = root.cmdline()
+    watchers = set()
+    for child in root.children():
+        with contextlib.suppress(psutil.Error):
+            if child.cmdline() == line:
+                watchers.add(child.pid)
+    return [p for p in root.children(recursive=True) if p.pid not in watchers]
 
 
 class GpuProbe:
