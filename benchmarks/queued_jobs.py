@@ -237,10 +237,31 @@ def main() -> None:
             ideal = len(ended) * args.sleep / cpus
             against = f" ({took / ideal:.2f}x the ideal {ideal:g} s)" if ideal else ""
             print(f"\ngate opened: {done} of {len(ended)} COMPLETED in {took:.1f} s{against}")
+            print_phases([h.details().history for h in handles[3:]], args.sleep)
         print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     finally:
         cluster.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def print_phases(histories: list, sleep_s: float) -> None:
+    """Where a slot's time goes beyond the jobs' own seconds, medians over the jobs: admitted
+    (DEPLOYING) after the job before it on the slot ended; its node agent started and prepared
+    (DEPLOYING to RUNNING); RUNNING to COMPLETED beyond its sleep."""
+    at = [{e.state: e.at for e in history} for history in histories]
+    ends = sorted(a[JobState.COMPLETED] for a in at if JobState.COMPLETED in a)
+    deploys = sorted(a[JobState.DEPLOYING] for a in at if JobState.DEPLOYING in a)
+    # The k-th admission after the first wave follows the k-th end.
+    first = len(deploys) - len([d for d in deploys if d > ends[0]]) if ends else 0
+    handoff = [d - e for d, e in zip(deploys[first:], ends, strict=False)]
+    prepare = [a[JobState.RUNNING] - a[JobState.DEPLOYING] for a in at if JobState.RUNNING in a]
+    beyond = [a[JobState.COMPLETED] - a[JobState.RUNNING] - sleep_s for a in at
+              if JobState.COMPLETED in a and JobState.RUNNING in a]  # fmt: skip
+    for name, values in (("a job's end to the next admission", handoff),
+                         ("DEPLOYING to RUNNING", prepare),
+                         ("RUNNING to COMPLETED beyond the sleep", beyond)):  # fmt: skip
+        if values:
+            print(f"  {name}: median {statistics.median(values):.3f} s, max {max(values):.3f} s")
 
 
 def print_running_overhead(address: str, job_id: str) -> None:
