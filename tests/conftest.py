@@ -44,6 +44,11 @@ NODE_SECRETS = {
 }
 
 
+# The vLLM lane (tests/vllm_lane) needs vLLM's CPU build, in a virtualenv of its own:
+# tests/vllm-lane.sh makes it and runs the lane after the main suite, with this variable set.
+VLLM_LANE_ENV = "ORCHESTRATOR_VLLM_LANE"
+collect_ignore = [] if os.environ.get(VLLM_LANE_ENV) == "1" else ["vllm_lane"]
+
 # Fixtures that start Ray: a test using one is a `cluster` test. Other tests that start Ray
 # themselves (a simulated cluster, `ray start`) are marked in their modules.
 CLUSTER_FIXTURES = {"ray_cluster"}

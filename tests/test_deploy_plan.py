@@ -176,6 +176,9 @@ def test_the_vllm_config_is_one_ray_serve_llm_accepts_with_adapters_published(s3
     LLMConfig.model_validate(built)  # Ray Serve LLM's own schema
     assert built["model_loading_config"]["model_source"]["bucket_uri"].startswith(root.url)
     assert built["engine_kwargs"]["max_lora_rank"] == 32  # the smallest vLLM rank holding r=20
+    assert built["engine_kwargs"]["max_loras"] == 1  # on GPUs, a slot per adapter
+    # On CPUs one more, left empty: vLLM's CPU kernels read "no adapter" as the last slot.
+    assert llm_config(plan.model, None)["engine_kwargs"]["max_loras"] == 2
     assert built["accelerator_type"] == "L4"
     published = "serving/tiny-lora/adapters/lora-checkpoint-30/adapter_model.safetensors"
     assert root.read_bytes(published) == b"weights"  # where Ray Serve LLM looks for it
@@ -183,6 +186,29 @@ def test_the_vllm_config_is_one_ray_serve_llm_accepts_with_adapters_published(s3
         built["lora_config"]["dynamic_lora_loading_path"]
         == f"{root.url}/serving/tiny-lora/adapters"
     )
+
+
+def test_the_vllm_config_on_cpu_nodes_holds_their_cpus_and_no_gpu(tmp_path):
+    """vLLM's CPU build: Ray Serve LLM would ask for a GPU, and a CPU each for its replica and
+    ingress, beyond the engine's; here the engine's bundle holds `cpu_count` CPUs, in float32."""
+    root = StorageRoot(str(tmp_path / "root"))
+    local = tmp_path / "checkpoint-30"
+    local.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (local / name).write_text("{}")
+    CheckpointStore(root).upload(local, "p1", "j1", 0)
+    chosen = [Chosen(CheckpointStore(root).manifest("p1", "j1", 0, "checkpoint-30"),
+                     record(storage_root=root.url))]  # fmt: skip
+    cpu = d.Compute(cpu_count=3, memory="8Gi")
+    plan = plan_deployment(config(compute=cpu), chosen, engine="vllm")
+    built = llm_config(plan.model, cpu)
+    parsed = LLMConfig.model_validate(built)  # Ray Serve LLM's own schema
+    assert parsed.accelerator_config.kind == "cpu"
+    assert built["placement_group_config"] == {"bundles": [{"CPU": 3}]}
+    assert built["deployment_config"]["ray_actor_options"] == {"num_cpus": 0}
+    assert built["engine_kwargs"]["dtype"] == "float32"
+    assert built["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "2"  # 8 GiB / 4
+    assert "/checkpoint-30/" in built["model_loading_config"]["model_source"]  # the stored files
 
 
 def test_a_deploy_config_file_loads_with_the_field_path_on_error(tmp_path: Path):

