@@ -4,7 +4,8 @@ Writes into $BT_CHECKPOINT_DIR (default ./checkpoints):
   checkpoint-0        the random base model + tokenizer (the starting point)
   checkpoint-<N>      the base fully fine-tuned for N steps
   lora-checkpoint-<N> a LoRA adapter (r=8) trained on checkpoint-0, which its
-                      adapter_config.json names by absolute path
+                      adapter_config.json names by absolute path; and the same adapter
+                      half-way, lora-checkpoint-<N/2>
 Each is written to a hidden temp directory and renamed into place, so an uploader
 never sees a half-written checkpoint. Exits 1 if fine-tuning left greedy output unchanged.
 """
@@ -19,6 +20,7 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,9 +54,11 @@ def save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dest: Path)
 
 
 def train(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], steps: int, lr: float, tag: str
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], steps: int, lr: float, tag: str,
+    after: dict[int, Callable[[], None]] | None = None,
 ) -> None:
-    """Causal-LM loss on the whole batch each step (pad positions are masked out)."""
+    """Causal-LM loss on the whole batch each step (pad positions are masked out); `after[n]`
+    runs after step n (a checkpoint mid-way)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model.train()
@@ -65,6 +69,8 @@ def train(
         opt.zero_grad()
         if step == 1 or step % 5 == 0 or step == steps:
             print(f"[{tag}] step {step}/{steps} loss {loss.item():.4f}", flush=True)
+        if after and step in after:
+            after[step]()
     model.eval()
 
 
@@ -119,7 +125,9 @@ def main() -> int:
     )
     torch.manual_seed(0)  # LoRA A is random: seed it so a retried attempt writes the same adapter
     lora = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir), lora_cfg)
-    train(lora, batch, args.steps, args.lora_lr, "lora")
+    half = args.steps // 2  # a second adapter, half-trained: deployments serve several at once
+    midway = {half: lambda: save(lora, tokenizer, ckpt_dir / f"lora-checkpoint-{half}")}
+    train(lora, batch, args.steps, args.lora_lr, "lora", after=midway if half else None)
     lora_dir = ckpt_dir / f"lora-checkpoint-{args.steps}"
     save(lora, tokenizer, lora_dir)
     adapter_cfg = json.loads((lora_dir / "adapter_config.json").read_text())
