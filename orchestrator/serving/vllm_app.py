@@ -30,7 +30,7 @@ def build_app(args: dict[str, Any]) -> Any:
     model = ServedModel.model_validate(args["model"])
     compute = Compute.model_validate(args["compute"]) if args.get("compute") else None
     serving: dict[str, Any] = {"llm_configs": [llm_config(model, compute, publish=True)]}
-    if not (compute and compute.gpus_per_node):  # see _on_cpu
+    if not _has_gpus(compute):  # see _on_cpu
         serving["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": 0}}
     return build_openai_app(serving)
 
@@ -46,7 +46,7 @@ def llm_config(model: ServedModel, compute: Compute | None, publish: bool = Fals
         "engine_kwargs": engine_kwargs,
         "runtime_env": {"env_vars": dict(model.env)} if model.env else None,
     }
-    if compute is not None and compute.gpus_per_node:
+    if compute is not None and _has_gpus(compute):
         assert compute.accelerator is not None and compute.accelerator.accelerator is not None
         config["accelerator_type"] = compute.accelerator.accelerator.value
         engine_kwargs["tensor_parallel_size"] = compute.gpus_per_node
@@ -68,7 +68,6 @@ def llm_config(model: ServedModel, compute: Compute | None, publish: bool = Fals
             "dynamic_lora_loading_path": f"{root.url}/{prefix}",
             "max_num_adapters_per_replica": len(model.adapters),
         }
-        on_cpu = not (compute and compute.gpus_per_node)
         engine_kwargs.update(
             enable_lora=True,
             max_lora_rank=max_lora_rank(list(model.adapters.values())),
@@ -76,9 +75,13 @@ def llm_config(model: ServedModel, compute: Compute | None, publish: bool = Fals
             # read a request without an adapter, index -1, as the last adapter slot: with every
             # slot filled, the base model's requests batched beside an adapter's would get that
             # adapter. One slot more, never filled, keeps them on the base.
-            max_loras=len(model.adapters) + (1 if on_cpu else 0),
+            max_loras=len(model.adapters) + (0 if _has_gpus(compute) else 1),
         )
     return {k: v for k, v in config.items() if v is not None}
+
+
+def _has_gpus(compute: Compute | None) -> bool:
+    return bool(compute and compute.gpus_per_node)
 
 
 def _on_cpu(compute: Compute | None, model: ServedModel) -> dict[str, Any]:
