@@ -173,3 +173,22 @@ def test_the_base_and_two_adapters_answer_as_offline_vllm_and_transformers(train
     placed = list_placement_groups(address=ray_cluster.dashboard_url, detail=True)
     assert [pg.name for pg in placed if pg.state == "CREATED" and
             not pg.name.startswith("orchestrator-")] == []  # fmt: skip
+
+
+def test_the_full_fine_tune_answers_as_offline_vllm_and_transformers(trained):
+    job, storage_root, local = trained
+    deployment = deploy_checkpoints(
+        job_id=job.id, checkpoints=["checkpoint-30"], engine="vllm", storage_root=storage_root,
+        timeout=600,
+    )  # fmt: skip
+    assert deployment.model_ids == ["tiny-lora"]
+    client = openai.OpenAI(base_url=deployment.url, api_key="unused", max_retries=0)
+    served = [
+        client.completions.create(model="tiny-lora", prompt=p, max_tokens=TOKENS, temperature=0)
+        .choices[0].text for p in PROMPTS
+    ]  # fmt: skip
+    model = local / "checkpoint-30"
+    assert whole(served) == whole(offline(model, [])[""])
+    assert whole(served) == whole([transformers_greedy(model, p) for p in PROMPTS])
+    stop_deployment(deployment.name, storage_root=storage_root)
+    assert list_deployments() == []
