@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,8 +21,8 @@ import yaml
 from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE
 from ray.serve.schema import ServeDeploySchema
 from ray.util.state import list_actors, list_placement_groups
+from recipe_serving import greedy, trained_recipe
 
-from orchestrator.client.api import push
 from orchestrator.client.audit import events
 from orchestrator.client.deploy import (
     DeployError,
@@ -33,51 +32,20 @@ from orchestrator.client.deploy import (
     stop_deployment,
 )
 from orchestrator.client.jobs import JobHandle
-from orchestrator.lifecycle import JobState
 from orchestrator.spec.deploy import DeployCheckpointsConfig, DeployCheckpointsRuntime
 from orchestrator.spec.secrets import SecretReference
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-lora"
 PROMPT = "the dog"  # the full fine-tune and the adapter continue it differently
 
 
 @pytest.fixture(scope="module")
 def trained(ray_cluster, tmp_path_factory) -> Iterator[tuple[JobHandle, str, Path]]:
-    """The recipe's job (checkpoint-0, checkpoint-30, lora-checkpoint-30), a Serve port of
-    its own, and every deployment stopped at the end."""
+    """The recipe's job (checkpoint-0, checkpoint-30, its LoRA adapters), a Serve port of its
+    own, and every deployment stopped at the end."""
     storage_root = str(tmp_path_factory.mktemp("deploy-storage"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["ORCHESTRATOR_SERVE_PORT"] = str(port)
-    job = push(RECIPE / "config.py", storage_root=storage_root)
-    assert job.wait(timeout=240) == JobState.COMPLETED, job.logs()[-20:]
     local = tmp_path_factory.mktemp("deploy-checkpoints")
-    for m in job.checkpoints():
-        job.download_checkpoint(m, local / m.name)
-    try:
+    with trained_recipe(storage_root, local) as job:
         yield job, storage_root, local
-    finally:
-        for d in list_deployments():
-            d.stop()
-        os.environ.pop("ORCHESTRATOR_SERVE_PORT", None)
-
-
-def greedy(model_dir: Path, prompt: str, max_tokens: int, adapter: Path | None = None) -> str:
-    """What the weights give loaded directly: the oracle."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter).eval()
-    ids = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,13 +21,11 @@ from pathlib import Path
 import openai
 import pytest
 from ray.util.state import list_actors, list_placement_groups
+from recipe_serving import greedy, trained_recipe
 
-from orchestrator.client.api import push
 from orchestrator.client.deploy import deploy_checkpoints, list_deployments, stop_deployment
 from orchestrator.client.jobs import JobHandle
-from orchestrator.lifecycle import JobState
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-lora"
 PROMPTS = ["the dog", "the cat sat", "a bird"]
 TOKENS = 12
 
@@ -61,20 +58,9 @@ def trained(ray_cluster, s3_server, tmp_path_factory) -> Iterator[tuple[JobHandl
     bucket = f"vllm-{uuid.uuid4().hex[:8]}"
     s3fs.S3FileSystem().mkdir(bucket)
     storage_root = f"s3://{bucket}/orchestrator"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["ORCHESTRATOR_SERVE_PORT"] = str(s.getsockname()[1])
-    job = push(RECIPE / "config.py", storage_root=storage_root)
-    assert job.wait(timeout=300) == JobState.COMPLETED, job.logs()[-20:]
     local = tmp_path_factory.mktemp("vllm-checkpoints")
-    for m in job.checkpoints():
-        job.download_checkpoint(m, local / m.name)
-    try:
+    with trained_recipe(storage_root, local) as job:
         yield job, storage_root, local
-    finally:
-        for d in list_deployments():
-            d.stop()
-        os.environ.pop("ORCHESTRATOR_SERVE_PORT", None)
 
 
 def offline(model: Path, adapters: list[Path]) -> dict[str, list[str]]:
@@ -92,19 +78,7 @@ def offline(model: Path, adapters: list[Path]) -> dict[str, list[str]]:
 
 
 def transformers_greedy(model_dir: Path, prompt: str, adapter: Path | None = None) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter).eval()
-    ids = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=TOKENS, do_sample=False)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    return greedy(model_dir, prompt, TOKENS, adapter)
 
 
 def whole(texts: list[str]) -> list[str]:
