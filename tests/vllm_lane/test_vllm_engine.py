@@ -26,6 +26,8 @@ from recipe_serving import greedy, trained_recipe
 from orchestrator.client.deploy import deploy_checkpoints, list_deployments, stop_deployment
 from orchestrator.client.jobs import JobHandle
 
+pytestmark = pytest.mark.timeout(900)  # engines start in 20-50 s each; a slow machine, twice
+
 PROMPTS = ["the dog", "the cat sat", "a bird"]
 TOKENS = 12
 
