@@ -164,6 +164,8 @@ def main() -> int:
             for d in list_deployments():
                 d.stop()
             cluster.stop()
+            if info.temp_dir:  # Ray's session files
+                shutil.rmtree(info.temp_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

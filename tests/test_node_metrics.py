@@ -15,9 +15,11 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 from test_checkpoint_upload import uploader, write_checkpoint
 
+from orchestrator.agents.command_runner import CommandRunner
 from orchestrator.agents.messages import MetricsRequest
 from orchestrator.agents.node_agent import NodeAgent
 from orchestrator.node import node_metrics
@@ -28,6 +30,7 @@ from orchestrator.node.node_metrics import (
     ProcessTree,
     disk_bytes,
 )
+from orchestrator.node.secrets import SecretMasker
 from orchestrator.storage.metrics import (
     MetricsSample,
     RankMetrics,
@@ -79,6 +82,22 @@ def test_the_process_tree_counts_the_commands_cpu_and_memory_not_the_root(burner
     assert processes >= 3  # the shell and both Pythons
     # The root's own use is not the job's: with no children there is nothing to count.
     assert ProcessTree().sample(burner.pid + 10**7) == (0.0, 0, 0)
+
+
+def test_a_command_under_its_guard_is_counted_alone_not_the_guards_watcher(tmp_path):
+    """The rank's sampler starts from the guard (CommandRunner.pid()): the guard's watcher, a
+    fork of it that only waits, is no process of the job's."""
+    runner = CommandRunner(lambda line, progress: line)
+    stream = runner.run(("exec sleep 30",), dict(os.environ), str(tmp_path), SecretMasker([]))
+    threading.Thread(target=lambda: list(stream), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 10
+        while (guard := runner.pid()) is None or len(psutil.Process(guard).children()) < 2:
+            assert time.monotonic() < deadline, "the guard, its watcher and the command start"
+            time.sleep(0.05)
+        assert ProcessTree().sample(guard)[2] == 1  # `sleep` alone
+    finally:
+        runner.stop(grace_s=2)
 
 
 def test_disk_bytes_counts_hard_links_once_and_does_not_follow_links(tmp_path):

