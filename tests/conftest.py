@@ -24,6 +24,7 @@ from servers import HubStandIn, TlsFileServer, trust_ca_in_aiohttp
 
 from orchestrator.agents.weight_cache import NODE_CACHE_DIR_ENV
 from orchestrator.cluster.local import CLUSTER_ENV, LocalCluster, LocalClusterInfo, use_embedded_env
+from orchestrator.cluster.ray_start import free_ports
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.storage.root import StorageRoot
 
@@ -296,9 +297,12 @@ def simulated_cluster(ray_client_port: int | None = None) -> tuple[Cluster, str]
     a Ray Client server there too (`orchestrator shell`'s terminal)."""
     use_embedded_env()  # its processes start with this home's token, as the embedded cluster
     os.environ.update({**CLUSTER_ENV, "ORCHESTRATOR_PYTHON": sys.executable})
-    port = free_port()
+    port, gcs, agent, metrics = free_ports(4)
+    # Every port Ray would take at a fixed default (6379, 52365, ...) picked free, so that two
+    # simulated clusters (or one beside a developer's own Ray) never share a head agent.
     head = {"num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-            "dashboard_port": port,
+            "dashboard_port": port, "port": gcs, "dashboard_agent_listen_port": agent,
+            "metrics_export_port": metrics,
             # our series reach Prometheus in 2 s rather than 10
             "_system_config": {"metrics_report_interval_ms": 2000}}  # fmt: skip
     if ray_client_port is not None:
