@@ -301,7 +301,7 @@ def simulated_cluster(ray_client_port: int | None = None) -> tuple[Cluster, str]
     # Every port Ray would take at a fixed default (6379, 52365, ...) picked free, so that two
     # simulated clusters (or one beside a developer's own Ray) never share a head agent.
     head = {"num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-            "dashboard_port": port, "port": gcs, "dashboard_agent_listen_port": agent,
+            "dashboard_port": port, "gcs_server_port": gcs, "dashboard_agent_listen_port": agent,
             "metrics_export_port": metrics,
             # our series reach Prometheus in 2 s rather than 10
             "_system_config": {"metrics_report_interval_ms": 2000}}  # fmt: skip

@@ -13,6 +13,8 @@ attack).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import os
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -43,25 +46,36 @@ def podman_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def busybox_image(directory: Path) -> str:
     """The image's name; built unless this machine already has it (a rebuild would leave the
     last one behind, unnamed)."""
-    if podman.exists(BUSYBOX):
-        return BUSYBOX
-    rootfs = directory / "rootfs"
-    _busybox_into(rootfs)
-    _import(rootfs, BUSYBOX)
+    with _building():
+        if podman.exists(BUSYBOX):
+            return BUSYBOX
+        rootfs = directory / "rootfs"
+        _busybox_into(rootfs)
+        _import(rootfs, BUSYBOX)
     return BUSYBOX
 
 
 def python_image() -> str:
     """The image's name; built unless this machine already has it."""
     name = f"{PYTHON}:{_python_digest()}"
-    if podman.exists(name):
-        return name
-    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="python-image-") as directory:
-        rootfs = Path(directory) / "rootfs"
-        _busybox_into(rootfs)
-        _python_into(rootfs)
-        _import(rootfs, name)
+    with _building():
+        if podman.exists(name):
+            return name
+        with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="python-image-") as directory:
+            rootfs = Path(directory) / "rootfs"
+            _busybox_into(rootfs)
+            _python_into(rootfs)
+            _import(rootfs, name)
     return name
+
+
+@contextlib.contextmanager
+def _building() -> Iterator[None]:
+    """One build at a time on this machine: test processes running side by side (pytest -n)
+    would otherwise both find an image missing and both build it."""
+    with open("/var/tmp/orchestrator-test-images.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _distributions() -> list[importlib.metadata.Distribution]:

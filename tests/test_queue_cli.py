@@ -17,6 +17,7 @@ import pytest
 from test_cli_checkpoints import cli, make_record
 from typer.testing import CliRunner
 
+from orchestrator.cli import render
 from orchestrator.cli.app import app
 from orchestrator.client.audit import events
 from orchestrator.client.queue import capacity, queue, set_capacity, update_priority
@@ -40,7 +41,13 @@ H100_NODE = {"GPU:H100": 8.0, "CPU": 16.0, "memory": 64.0 * GiB}
 
 
 def invoke(*args: str) -> str:
-    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+    # The CLI's console took its width when it was made (from COLUMNS then): set it for this.
+    taken = render.console._width
+    render.console.width = 200
+    try:
+        result = CliRunner().invoke(app, list(args))
+    finally:
+        render.console._width = taken
     if result.exception is not None:
         raise result.exception
     assert result.exit_code == 0, result.output
