@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -339,6 +341,19 @@ def test_an_admitted_job_runs_its_controller_in_the_host_and_shows_as_a_ray_job(
     assert quick.wait(timeout=60) == JobState.COMPLETED, quick.logs()
     eventually(lambda: QueueStore(StorageRoot(root)).entry(quick.id) is None, "its room let go", 10)
     eventually(lambda: ray_row(address, quick.id).status.value == "SUCCEEDED", "SUCCEEDED", 10)
+
+    # Ray's own CLI stops a hosted job too: `ray job stop` returns once the row has ended.
+    again = push(job(tmp_path / "again", "python -c 'import time; time.sleep(600)'"),
+                 address=address, storage_root=root)  # fmt: skip
+    eventually(lambda: again.status() == JobState.RUNNING, "the second hosted job to run", 60)
+    assert ray_row(address, again.id).metadata["orchestrator_controller"] == "hosted"
+    ray_cli = Path(sys.executable).parent / "ray"
+    stopped = subprocess.run([str(ray_cli), "job", "stop", "--address", address, again.id],
+                             capture_output=True, text=True, timeout=90)  # fmt: skip
+    said = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 0 and f"Job '{again.id}' was stopped" in said, said
+    assert again.wait(timeout=30) == JobState.STOPPED
+    assert any("stopped by user" in line for line in again.logs())
 
 
 def test_a_job_whose_controller_host_dies_fails_with_why_and_lets_go(h100s, tmp_path):

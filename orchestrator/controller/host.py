@@ -43,6 +43,8 @@ class ControllerHost:
         self.stop_events: dict[str, threading.Event] = {}
         self.ended: dict[str, str | None] = {}  # job id: None, or why it ended without a record
         self.stopped_early: set[str] = set()  # stops of jobs not started (yet)
+        self.closed = threading.Event()
+        threading.Thread(target=self._follow_ray_stops, name="ray-job-stops", daemon=True).start()
 
     def start(self, job: HostedJob) -> str:
         """Start the job's controller unless this host runs or ran it; the host's incarnation."""
@@ -89,6 +91,28 @@ class ControllerHost:
             thread.join(max(0.0, deadline - time.monotonic()))
         with self.lock:
             return sorted(self.threads)
+
+    def _follow_ray_stops(self) -> None:
+        """`ray job stop J` of a job run here stops it (ray_stops.py): in Ray, on the head."""
+        import ray
+
+        if not ray.is_initialized():
+            return  # a host made outside Ray (tests): no dashboard to follow
+        try:
+            from orchestrator import ray_private
+            from orchestrator.controller.ray_stops import follow_stops
+
+            logs = ray_private.job_driver_place()[2]
+            follow_stops(Path(logs) / "dashboard.log", self._ray_stop, self.closed)
+        except Exception:
+            traceback.print_exc()
+
+    def _ray_stop(self, job_id: str) -> None:
+        with self.lock:
+            running = job_id in self.threads
+        if running:
+            print(f"job {job_id}: stopped through Ray's Job API (`ray job stop`)", flush=True)
+            self.stop(job_id)
 
     def _run(self, job: HostedJob) -> None:
         from orchestrator.controller.controller import JobController
