@@ -43,7 +43,6 @@ class ControllerHost:
         self.stop_events: dict[str, threading.Event] = {}
         self.ended: dict[str, str | None] = {}  # job id: None, or why it ended without a record
         self.stopped_early: set[str] = set()  # stops of jobs not started (yet)
-        self.closed = threading.Event()
         threading.Thread(target=self._follow_ray_stops, name="ray-job-stops", daemon=True).start()
 
     def start(self, job: HostedJob) -> str:
@@ -103,7 +102,8 @@ class ControllerHost:
             from orchestrator.controller.ray_stops import follow_stops
 
             logs = ray_private.job_driver_place()[2]
-            follow_stops(Path(logs) / "dashboard.log", self._ray_stop, self.closed)
+            # Never closed: it ends with the host's process.
+            follow_stops(Path(logs) / "dashboard.log", self._ray_stop, threading.Event())
         except Exception:
             traceback.print_exc()
 

@@ -6,7 +6,8 @@ waits for the job's row to end, for as long as the job runs. The dashboard on th
 every request it answers (`dashboard.log`, aiohttp's access log), after authenticating it: a
 `'POST /api/jobs/<id>/stop HTTP/1.1' 200` line is a stop that Ray accepted from someone allowed
 to make it. The controller host follows that file and stops those of its jobs, as `orchestrator
-stop` does; the row then ends STOPPED and Ray's CLI returns.
+stop` does; the row then ends STOPPED and Ray's CLI returns. Writing that file takes Ray's user
+on the head, who can stop any job anyway.
 """
 
 from __future__ import annotations
