@@ -1,8 +1,11 @@
-"""What the benchmarks share: which code they measured, and a moto S3 server of its own."""
+"""What the benchmarks share: which code they measured, a private embedded cluster's
+environment, and a moto S3 server of its own."""
 
 from __future__ import annotations
 
+import os
 import resource
+import socket
 import subprocess
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -22,6 +25,24 @@ def code_state() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return commit + (" + uncommitted changes" if dirty else "")
+
+
+def private_environment(work: Path) -> None:
+    """Point orchestrator at `work` before a private embedded cluster starts there: its home
+    (cluster state and token), the agents' node dirs, the nodes' weights cache, and a free
+    Serve port; never a developer's own cluster (RAY_ADDRESS)."""
+    from orchestrator.agents.weight_cache import NODE_CACHE_DIR_ENV
+    from orchestrator.cluster.local import CLUSTER_ENV, embedded_env
+
+    os.environ.pop("RAY_ADDRESS", None)
+    # First: embedded_env names this home's token file (and makes it if need be).
+    os.environ["ORCHESTRATOR_HOME"] = str(work / "home")
+    os.environ.update({**embedded_env(), **CLUSTER_ENV})
+    os.environ["ORCHESTRATOR_NODE_ROOT"] = str(work / "nodes")
+    os.environ[NODE_CACHE_DIR_ENV] = str(work / "weights-cache")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["ORCHESTRATOR_SERVE_PORT"] = str(s.getsockname()[1])
 
 
 def serve_moto(conn: Connection) -> None:

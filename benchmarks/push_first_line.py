@@ -36,10 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import code_state
+from common import code_state, private_environment
 
 from orchestrator.client.api import push
-from orchestrator.cluster.local import LocalCluster, LocalClusterInfo, embedded_env
+from orchestrator.cluster.local import LocalCluster, LocalClusterInfo
 from orchestrator.lifecycle import JobState
 from orchestrator.storage import layout
 from orchestrator.storage.root import StorageRoot
@@ -329,11 +329,7 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-first-line-"))
-    # Private cluster, storage and node dirs; `push` finds the cluster through ORCHESTRATOR_HOME.
-    os.environ.pop("RAY_ADDRESS", None)
-    os.environ["ORCHESTRATOR_HOME"] = str(work / "home")
-    os.environ.update(embedded_env())  # the token file of that home
-    os.environ["ORCHESTRATOR_NODE_ROOT"] = str(work / "nodes")  # the agents' working dirs
+    private_environment(work)  # `push` finds the private cluster through ORCHESTRATOR_HOME
     cluster = LocalCluster(state_dir=work / "home" / "local-cluster")
     info: LocalClusterInfo | None = None
     print(f"code {code_state()}; cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}")

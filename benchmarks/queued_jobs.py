@@ -33,12 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from common import code_state
+from common import code_state, private_environment
 
 from orchestrator.client.api import push
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.queue import queue, update_priority
-from orchestrator.cluster.local import LocalCluster, embedded_env
+from orchestrator.cluster.local import LocalCluster
 from orchestrator.lifecycle import JobState
 
 CONFIG = """\
@@ -137,16 +137,14 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-queued-"))
-    os.environ.pop("RAY_ADDRESS", None)
-    os.environ.update(embedded_env())
-    os.environ["ORCHESTRATOR_HOME"] = str(work / "home")
-    os.environ["ORCHESTRATOR_NODE_ROOT"] = str(work / "nodes")
+    private_environment(work)
     root = str(work / "storage")
     cluster = LocalCluster(state_dir=work / "home" / "local-cluster")
     print(
         f"code {code_state()}; cpus {os.cpu_count()}, memory "
         f"{psutil.virtual_memory().total / 2**30:.1f} GiB, load {os.getloadavg()[0]:.2f}"
     )
+    info = None
     try:
         info = cluster.start()
         cpus = int(os.cpu_count() or 2)
@@ -242,6 +240,8 @@ def main() -> None:
     finally:
         cluster.stop()
         shutil.rmtree(work, ignore_errors=True)
+        if info is not None and info.temp_dir:  # Ray's session files
+            shutil.rmtree(info.temp_dir, ignore_errors=True)
 
 
 def print_phases(histories: list, sleep_s: float) -> None:

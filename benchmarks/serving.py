@@ -37,7 +37,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -48,16 +47,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
-from common import code_state
+from common import code_state, private_environment
 
 from orchestrator.client.api import push
 from orchestrator.client.deploy import Deployment, deploy_checkpoints, list_deployments
 from orchestrator.client.jobs import JobHandle
 from orchestrator.cluster.local import (
-    CLUSTER_ENV,
     LocalCluster,
     LocalClusterInfo,
-    embedded_env,
 )
 from orchestrator.lifecycle import JobState
 from orchestrator.serving.openai_api import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -90,18 +87,6 @@ class Paired:
 
 
 # -- The cluster and the trained job -------------------------------------------------------
-
-
-def private_environment(work: Path) -> None:
-    """Point orchestrator at `work` (home, cluster state, node dirs) and a free Serve port."""
-    os.environ.pop("RAY_ADDRESS", None)  # never a developer's own cluster
-    os.environ.update({**embedded_env(), **CLUSTER_ENV})
-    os.environ["ORCHESTRATOR_HOME"] = str(work / "home")
-    os.environ["ORCHESTRATOR_NODE_ROOT"] = str(work / "nodes")
-    os.environ["ORCHESTRATOR_NODE_CACHE_DIR"] = str(work / "weights-cache")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["ORCHESTRATOR_SERVE_PORT"] = str(s.getsockname()[1])
 
 
 def train(storage_root: str, local: Path) -> tuple[JobHandle, float]:

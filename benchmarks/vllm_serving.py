@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,11 +33,11 @@ import time
 from pathlib import Path
 
 import openai
-from common import code_state
+from common import code_state, private_environment
 
 from orchestrator.client.api import push
 from orchestrator.client.deploy import deploy_checkpoints, list_deployments
-from orchestrator.cluster.local import LocalCluster, embedded_env
+from orchestrator.cluster.local import LocalCluster
 from orchestrator.lifecycle import JobState
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-lora"
@@ -109,13 +108,7 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    os.environ.pop("RAY_ADDRESS", None)
-    os.environ.update(embedded_env())
-    os.environ["ORCHESTRATOR_HOME"] = str(work / "home")
-    os.environ["ORCHESTRATOR_NODE_ROOT"] = str(work / "nodes")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["ORCHESTRATOR_SERVE_PORT"] = str(s.getsockname()[1])
+    private_environment(work)
     cluster = LocalCluster(state_dir=work / "home" / "local-cluster")
     print(f"code {code_state()}; cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}")
     info = None

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import code_state, serve_moto
+from common import code_state, private_environment, serve_moto
 
 MB = 2**20
 GB = 2**30
@@ -311,7 +311,7 @@ def cache_lookups(cache_dir: Path, runs: list[SizeRun], rounds: int) -> None:
 
 def bench_hits(args: argparse.Namespace, fs: Any, moto: Moto, work: Path) -> dict[str, Any]:
     from orchestrator.agents.weight_cache import NODE_CACHE_DIR_ENV
-    from orchestrator.cluster.local import LocalCluster, embedded_env
+    from orchestrator.cluster.local import LocalCluster
 
     tag = uuid.uuid4().hex[:6]
     block = os.urandom(16 * MB)
@@ -334,11 +334,8 @@ def bench_hits(args: argparse.Namespace, fs: Any, moto: Moto, work: Path) -> dic
     storage_root = str(work / "storage")
     cache_dir = work / "node-cache"
     # The cluster's processes inherit these: set before it starts.
-    os.environ.pop("RAY_ADDRESS", None)
-    os.environ.update(embedded_env())
-    os.environ["ORCHESTRATOR_HOME"] = str(work / "home")
-    os.environ["ORCHESTRATOR_NODE_ROOT"] = str(work / "nodes")
-    os.environ[NODE_CACHE_DIR_ENV] = str(cache_dir)
+    private_environment(work)
+    os.environ[NODE_CACHE_DIR_ENV] = str(cache_dir)  # read back by cache_lookups
     cluster = LocalCluster(state_dir=work / "home" / "local-cluster")
     info = None
     try:
