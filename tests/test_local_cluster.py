@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -137,6 +138,51 @@ def test_ensure_running_reuses_the_cluster(cluster: LocalCluster, info: LocalClu
 def test_start_refuses_a_second_cluster(cluster: LocalCluster, info: LocalClusterInfo):
     with pytest.raises(LocalClusterError, match="already running"):
         cluster.start()
+
+
+@contextlib.contextmanager
+def frozen_dashboard(info: LocalClusterInfo) -> Iterator[None]:
+    """The head's dashboard process stopped (SIGSTOP), as a loaded machine leaves it unanswered
+    for seconds; continued after, whatever happens."""
+    (dashboard,) = [p for p in process_group(info.pid)
+                    if "dashboard/dashboard.py" in " ".join(p.cmdline())]  # fmt: skip
+    dashboard.suspend()
+    try:
+        yield
+    finally:
+        dashboard.resume()
+
+
+def test_a_cluster_whose_dashboard_is_slow_to_answer_is_waited_for_not_replaced(
+    cluster: LocalCluster, info: LocalClusterInfo, monkeypatch: pytest.MonkeyPatch
+):
+    """A busy head's dashboard answering late used to read as a stale record: a second cluster
+    started beside it and the first was orphaned with its jobs."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    with frozen_dashboard(info):
+        found = pool.submit(LocalCluster(cluster.state_dir).ensure_running)
+        time.sleep(4)  # the pause a command must sit out: longer than one request's 2 s
+        assert not found.done()
+    assert found.result(timeout=60) == info
+    assert cluster.status() == info
+    ray_starts = [p for p in psutil.process_iter(["cmdline"])
+                  if "--block" in (p.info["cmdline"] or []) and p.pid != info.pid
+                  and str(cluster.state_dir) in _cwd(p)]  # fmt: skip
+    assert not ray_starts, "a second cluster was started beside the running one"
+
+    # One that never answers is named, and left running: its jobs are not ours to end.
+    monkeypatch.setattr("orchestrator.cluster.local.DASHBOARD_PATIENCE_S", 1.0)
+    with frozen_dashboard(info), pytest.raises(LocalClusterError, match="left running") as e:
+        LocalCluster(cluster.state_dir).ensure_running()
+    assert f"pid {info.pid}" in str(e.value)
+    assert cluster.status() == info
+
+
+def _cwd(process: psutil.Process) -> str:
+    try:
+        return process.cwd()
+    except psutil.Error:
+        return ""
 
 
 def test_job_submission_api_runs_a_job(info: LocalClusterInfo):

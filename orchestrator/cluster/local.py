@@ -44,6 +44,7 @@ _STATE_FILE = "cluster.json"
 _LOCK_FILE = "lock"
 _LOG_FILE = "ray-start.log"
 _START_ATTEMPTS = 3  # a picked port can be taken before Ray binds it: retry with fresh ones
+DASHBOARD_PATIENCE_S = 60.0  # how long a running cluster's dashboard may take to answer
 
 
 # What every cluster that runs orchestrator jobs should have in `ray start`'s environment (the
@@ -172,16 +173,27 @@ class LocalCluster:
     # -- internals (callers hold the lock) ---------------------------------------------------
 
     def _status_locked(self) -> LocalClusterInfo | None:
+        """The recorded cluster, or None (and the record cleared) if its process is gone.
+
+        A live process whose dashboard does not answer is a busy head, not a stale record: it
+        gets DASHBOARD_PATIENCE_S. Treating it as gone used to start a second cluster beside
+        it and orphan the first, jobs and all (a loaded 2-core machine answers in over 2 s).
+        """
         state = self._read_state()
         if state is None:
             return None
         info = _info_from_state(state)
-        if (
-            info is not None
-            and recorded_process(state) is not None
-            and dashboard_answers(info.dashboard_url, _token(info))
-        ):
-            return info
+        deadline = time.monotonic() + DASHBOARD_PATIENCE_S
+        while info is not None and recorded_process(state) is not None:
+            if dashboard_answers(info.dashboard_url, _token(info)):
+                return info
+            if time.monotonic() >= deadline:
+                raise LocalClusterError(
+                    f"the local Ray cluster (pid {info.pid}, {info.dashboard_url}) runs but its "
+                    f"dashboard has not answered for {DASHBOARD_PATIENCE_S:g} s; it is left "
+                    "running: try again, or stop it with `orchestrator cluster stop`"
+                )
+            time.sleep(POLL_INTERVAL_S)
         self.state_file.unlink(missing_ok=True)
         return None
 
