@@ -186,6 +186,9 @@ PREEMPTION_GRACE_S = _setting("PREEMPTION_GRACE_S", 60.0, positive_float, HEAD)
 # How the queue service starts the controllers of the jobs it admits: as threads of one resident
 # process on the head (hosted; controller/host.py), or each as its own Ray job.
 CONTROLLERS = _setting("CONTROLLERS", "hosted", controllers, HEAD)
+# A directory through which a client on the head's machine has the queue service watch a new
+# storage root without a Ray job (scheduler/roots_inbox.py); the embedded cluster sets it.
+ROOTS_INBOX = _setting("ROOTS_INBOX", None, text, HEAD)
 # Controllers are forked from a process with their modules imported (scheduler/warm_host.py);
 # off (the default until a crash seen once is explained): each starts its own interpreter.
 WARM_CONTROLLERS = _setting("WARM_CONTROLLERS", False, flag, HEAD)

@@ -226,10 +226,18 @@ def ray_cluster(
         yield info
     finally:
         cluster.stop()
-        if started.is_running():  # `stop` ended another: this one was orphaned mid-session
+        if _alive(started):  # `stop` ended another: this one was orphaned mid-session
             terminate(started, 30, None)
             raise AssertionError(f"the session's cluster (pid {info.pid}) was replaced by "
                                  "another while it ran, and left running")  # fmt: skip
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Running, and not a zombie (an ended child not reaped yet)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ class Connection:
     address: str
     embedded: bool
     token_file: str | None = None  # the embedded cluster's token (cluster/auth.py)
+    roots_inbox: str | None = None  # the embedded cluster's (scheduler/roots_inbox.py)
 
     @property
     def on_this_machine(self) -> bool:
@@ -68,8 +69,10 @@ def connect(address: str | None = None) -> Connection:
         return Connection(address=address, embedded=False)
     from orchestrator.cluster.local import LocalCluster
 
-    info = LocalCluster().ensure_running()
-    return Connection(address=info.dashboard_url, embedded=True, token_file=info.token_file)
+    cluster = LocalCluster()
+    info = cluster.ensure_running()
+    return Connection(address=info.dashboard_url, embedded=True, token_file=info.token_file,
+                      roots_inbox=str(cluster.roots_inbox))  # fmt: skip
 
 
 def storage(storage_root: str | None = None) -> StorageRoot:

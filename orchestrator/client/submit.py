@@ -18,6 +18,7 @@ from orchestrator.client.workspace import write_archive
 from orchestrator.cluster.auth import refusal
 from orchestrator.errors import OrchestratorError, SubmitError
 from orchestrator.lifecycle import JobState
+from orchestrator.scheduler import roots_inbox
 from orchestrator.scheduler.entries import entry_for
 from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.job_store import JobStore
@@ -285,7 +286,11 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
         )  # fmt: skip
         queue.put_incoming(entry)  # queued from here on; a service takes it
         if not start_now:
-            if queue.watched_by(session) or _service_starting(queue, session):
+            if (
+                queue.watched_by(session)
+                or _asked_service(connection, queue, session, root)
+                or _service_starting(queue, session)
+            ):
                 return
             # Nobody takes it: it is ours to start, and its controller starts the service.
             queue.put_incoming(entry.model_copy(update={"launched_at": time.time()}))
@@ -304,6 +309,27 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
         status = store.status(job_id).moved_to(JobState.DEPLOY_FAILED, failure.cause)
         store.put_status(status.model_copy(update={"failure": failure}))
         raise
+
+
+def _asked_service(
+    connection: Connection, queue: QueueStore, session: str, root: StorageRoot
+) -> bool:
+    """Whether the running queue service, asked through the embedded cluster's inbox (no Ray
+    job; scheduler/roots_inbox.py), watches the root now. False where there is no inbox or no
+    service polls it, or the service did not take the root in time (a Ray job starts the job)."""
+    if connection.roots_inbox is None:
+        return False
+    if not roots_inbox.ask(Path(connection.roots_inbox), root.url, session):
+        return False
+    deadline = time.monotonic() + _INBOX_WAIT_S
+    while time.monotonic() < deadline:
+        if queue.watched_by(session):
+            return True
+        time.sleep(roots_inbox.POLL_S)
+    return queue.watched_by(session)
+
+
+_INBOX_WAIT_S = 5.0
 
 
 def _service_starting(queue: QueueStore, session: str) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from orchestrator import actor_names
+from orchestrator import actor_names, settings
 from orchestrator.cluster.auth import token_file, use_token
 from orchestrator.cluster.processes import (
     POLL_INTERVAL_S,
@@ -100,6 +100,8 @@ class LocalCluster:
         self.state_dir = Path(state_dir) if state_dir else orchestrator_home() / "local-cluster"
         self.state_file = self.state_dir / _STATE_FILE
         self.log_file = self.state_dir / _LOG_FILE
+        # Where its queue service takes a new storage root's first push (roots_inbox.py)
+        self.roots_inbox = self.state_dir / "roots-inbox"
         self._process: subprocess.Popen[bytes] | None = None  # set when we started it
 
     # -- public API --------------------------------------------------------------------------
@@ -229,6 +231,7 @@ class LocalCluster:
         )
         env = {**os.environ, **embedded_env(), **CLUSTER_ENV}
         env.pop("RAY_ADDRESS", None)
+        env[settings.ROOTS_INBOX.name] = str(self.roots_inbox)
         # `stop` ends the jobs through the Job API first; what is left (detached actors, e.g.
         # Ray Train's autoscaling coordinator) is not worth Ray's 30 s drain on SIGTERM.
         env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "5")

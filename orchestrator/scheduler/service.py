@@ -19,6 +19,7 @@ import json
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from orchestrator import ray_private, settings
@@ -29,6 +30,7 @@ from orchestrator.scheduler.launcher import ControllerLauncher, HostedLauncher, 
 from orchestrator.scheduler.policy import DEFAULT_HOLD_AFTER_S, SchedulingPolicy, WithinTeam
 from orchestrator.scheduler.queue_manager import Admission, QueueView
 from orchestrator.scheduler.root_queue import RootQueue
+from orchestrator.scheduler.roots_inbox import POLL_S, Inbox
 from orchestrator.scheduler.warm_host import WarmHost
 from orchestrator.storage.queue_store import QueueEntry
 
@@ -67,6 +69,11 @@ class QueueService:
         threading.Thread(target=self._watching, name="queue-idle", daemon=True).start()
         if self.known is not None:
             threading.Thread(target=self._resume, name="queue-resume", daemon=True).start()
+        inbox = settings.ROOTS_INBOX.get() if in_ray and self.launcher is not None else None
+        if inbox:
+            box = Inbox(Path(inbox), self.launcher.session())
+            threading.Thread(target=self._polling, args=(box,), name="queue-inbox",
+                             daemon=True).start()  # fmt: skip
 
     def enqueue(self, root: str, entry: QueueEntry) -> Admission:
         return self._queue(root).enqueue(entry)
@@ -133,6 +140,17 @@ class QueueService:
                 self._queue(root)
             except Exception:  # that root is out: the next push or controller brings it back
                 traceback.print_exc()
+
+    def _polling(self, inbox: Inbox) -> None:
+        """Watches the roots a client on this machine asks for (roots_inbox.py)."""
+        while not self.closed.wait(POLL_S):
+            try:
+                inbox.say()
+                for root in inbox.take():
+                    self._queue(root)
+            except Exception:  # a root that cannot be read: its push falls back to a Ray job
+                traceback.print_exc()
+        inbox.close()
 
     def _watching(self) -> None:
         """Ends the actor after IDLE_EXIT_S without any root (its name is free for the next)."""
