@@ -299,12 +299,17 @@ def run_controller(job_id: str, storage_root: str, scheduling_timeout_s: float) 
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, on_sigterm)
-    final = controller.run()
+    return exit_code(controller, controller.run())
+
+
+def exit_code(controller: JobController, final: JobState) -> int:
+    """How the controller's Ray job ends (its exit code; a hosted one's row says the same): 0
+    only for a plain success. The commands succeeded but the outcome or not every checkpoint
+    was stored: not a plain success in Ray's eyes either (the dashboard shows the job FAILED,
+    `ray job submit` exits 1)."""
     if final != JobState.COMPLETED:
         return 1
     if controller.unstored:
         return OUTCOME_NOT_STORED_EXIT
     summary = controller.status.checkpoints
-    # The commands succeeded but not every checkpoint was stored: not a plain success in Ray's
-    # eyes either (the dashboard shows the job FAILED with this code, `ray job submit` exits 1).
     return CHECKPOINTS_NOT_STORED_EXIT if summary and not summary.all_uploaded else 0

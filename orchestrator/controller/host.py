@@ -115,7 +115,7 @@ class ControllerHost:
             self.stop(job_id)
 
     def _run(self, job: HostedJob) -> None:
-        from orchestrator.controller.controller import JobController
+        from orchestrator.controller.controller import JobController, exit_code
         from orchestrator.controller.queueing import HostedJobQueue
         from orchestrator.storage.job_store import JobStore
 
@@ -132,7 +132,8 @@ class ControllerHost:
                 self.stop_events[job_id] = controller.stop_requested
             state = controller.run()
             history = controller.status.history
-            shown.end(state.value, history[-1].reason if history else None)
+            shown.end(state.value, history[-1].reason if history else None,
+                      exit_code(controller, state))  # fmt: skip
         except BaseException as e:  # a thread's end: said, never raised further
             traceback.print_exc()
             why = f"the job's controller raised {type(e).__name__}: {e}"
@@ -172,12 +173,17 @@ class JobRow:
         except Exception:
             traceback.print_exc()
 
-    def end(self, state: str, reason: str | None) -> None:
+    def end(self, state: str, reason: str | None, code: int = 0) -> None:
+        """`code`: the exit code the controller's Ray job would have (controller.exit_code): a
+        COMPLETED job whose outcome or checkpoints were not all stored is FAILED in Ray's
+        table, as that Ray job would be."""
         try:
             from orchestrator import ray_private
 
-            status = self.STATES.get(state, "FAILED")
-            ray_private.end_job_row(self.job_id, status, f"{state}: {reason or 'no reason'}")
+            status, said = self.STATES.get(state, "FAILED"), f"{state}: {reason or 'no reason'}"
+            if state == "COMPLETED" and code != 0:  # its outcome or checkpoints not all stored
+                status, said = "FAILED", f"{said} (not a plain success: exit code {code})"
+            ray_private.end_job_row(self.job_id, status, said)
         except Exception:
             traceback.print_exc()
         finally:
