@@ -105,6 +105,9 @@ def test_only_a_fresh_service_of_the_session_is_asked(tmp_path: Path):
     said = json.loads((inbox / SERVICE_FILE).read_text())
     (inbox / SERVICE_FILE).write_text(json.dumps({**said, "at": time.time() - FRESH_S - 1}))
     assert not ask(inbox, "/roots/a", "session_1"), "a service that said so too long ago"
+    for unreadable in ("[1, 2]", '{"session": "session_1"}', '{"session": "session_1", "at": "x"}'):
+        (inbox / SERVICE_FILE).write_text(unreadable)
+        assert not ask(inbox, "/roots/a", "session_1"), unreadable
     box.said_at = 0.0
     box.say()
     box.close()

@@ -40,9 +40,10 @@ def ask(inbox: Path, root_url: str, session: str) -> bool:
     where no such service has said lately that it polls."""
     try:
         said = json.loads((inbox / SERVICE_FILE).read_text())
-    except (OSError, ValueError):
+        fresh = said["session"] == session and time.time() - float(said["at"]) <= FRESH_S
+    except (OSError, ValueError, KeyError, TypeError):  # none, or not one we can read
         return False
-    if said.get("session") != session or time.time() - float(said.get("at", 0)) > FRESH_S:
+    if not fresh:
         return False
     _write(inbox / f"{uuid.uuid4().hex}.root.json", {"root": root_url})
     return True

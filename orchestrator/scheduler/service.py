@@ -71,9 +71,13 @@ class QueueService:
             threading.Thread(target=self._resume, name="queue-resume", daemon=True).start()
         inbox = settings.ROOTS_INBOX.get() if in_ray and self.launcher is not None else None
         if inbox:
-            box = Inbox(Path(inbox), self.launcher.session())
-            threading.Thread(target=self._polling, args=(box,), name="queue-inbox",
-                             daemon=True).start()  # fmt: skip
+            try:
+                box = Inbox(Path(inbox), self.launcher.session())
+            except OSError:  # no inbox: new roots' first pushes are Ray jobs, as elsewhere
+                traceback.print_exc()
+            else:
+                threading.Thread(target=self._polling, args=(box,), name="queue-inbox",
+                                 daemon=True).start()  # fmt: skip
 
     def enqueue(self, root: str, entry: QueueEntry) -> Admission:
         return self._queue(root).enqueue(entry)
