@@ -25,7 +25,7 @@ from servers import HubStandIn, TlsFileServer, trust_ca_in_aiohttp
 
 from orchestrator.agents.weight_cache import NODE_CACHE_DIR_ENV
 from orchestrator.cluster.local import CLUSTER_ENV, LocalCluster, LocalClusterInfo, use_embedded_env
-from orchestrator.cluster.processes import terminate
+from orchestrator.cluster.processes import any_alive, terminate
 from orchestrator.cluster.ray_start import free_ports
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
 from orchestrator.storage.root import StorageRoot
@@ -226,18 +226,10 @@ def ray_cluster(
         yield info
     finally:
         cluster.stop()
-        if _alive(started):  # `stop` ended another: this one was orphaned mid-session
+        if any_alive([started]):  # `stop` ended another: this one was orphaned mid-session
             terminate(started, 30, None)
             raise AssertionError(f"the session's cluster (pid {info.pid}) was replaced by "
                                  "another while it ran, and left running")  # fmt: skip
-
-
-def _alive(process: psutil.Process) -> bool:
-    """Running, and not a zombie (an ended child not reaped yet)."""
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.fixture(scope="session")

@@ -321,12 +321,7 @@ def _asked_service(
         return False
     if not roots_inbox.ask(Path(connection.roots_inbox), root.url, session):
         return False
-    deadline = time.monotonic() + _INBOX_WAIT_S
-    while time.monotonic() < deadline:
-        if queue.watched_by(session):
-            return True
-        time.sleep(roots_inbox.POLL_S)
-    return queue.watched_by(session)
+    return _watched_by_then(queue, session, time.time() + _INBOX_WAIT_S, roots_inbox.POLL_S)
 
 
 _INBOX_WAIT_S = 5.0
@@ -340,14 +335,19 @@ def _service_starting(queue: QueueStore, session: str) -> bool:
     claimed_at = queue.claim_service_start(session)
     if claimed_at is None:
         return False
-    while time.time() - claimed_at < SERVICE_START_S:
-        if queue.watched_by(session):
-            return True
-        time.sleep(_SERVICE_POLL_S)
-    return queue.watched_by(session)
+    return _watched_by_then(queue, session, claimed_at + SERVICE_START_S, _SERVICE_POLL_S)
 
 
 _SERVICE_POLL_S = 0.25
+
+
+def _watched_by_then(queue: QueueStore, session: str, until: float, poll_s: float) -> bool:
+    """Whether the session's queue service watches the root by `until` (a time.time())."""
+    while time.time() < until:
+        if queue.watched_by(session):
+            return True
+        time.sleep(poll_s)
+    return queue.watched_by(session)
 
 
 def cluster_session(connection: Connection) -> str:

@@ -81,7 +81,7 @@ def terminate(
     while time.monotonic() < deadline:
         if handle is not None:
             handle.poll()  # reap our own child so it does not linger as a zombie
-        if not _any_alive(members):
+        if not any_alive(members):
             return
         time.sleep(POLL_INTERVAL_S)
     if pgid is not None and pgid != os.getpgrp():
@@ -109,7 +109,8 @@ def _family(process: psutil.Process, pgid: int | None) -> list[psutil.Process]:
     return list(family.values())
 
 
-def _any_alive(processes: list[psutil.Process]) -> bool:
+def any_alive(processes: list[psutil.Process]) -> bool:
+    """Whether one of them runs (an ended child not reaped yet, a zombie, does not)."""
     for p in processes:
         with contextlib.suppress(psutil.Error):
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
