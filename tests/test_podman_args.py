@@ -61,11 +61,30 @@ def test_a_shell_command_past_its_timeout_is_found_even_if_it_started_after(tmp_
     import threading
 
     shell = podman.ShellCommand(["podman", "exec"], "orchestrator-j1-rank-0", False,
-                                tmp_path / "shell.pid")  # fmt: skip
+                                tmp_path / "shell.pid", tmp_path / "shell.exit")  # fmt: skip
     threading.Timer(0.5, lambda: shell.pid_file.write_text("42\n")).start()
     argv = podman.end_shell_argv(shell, wait_s=5)
     assert argv is not None and argv[-1] == "42" and "orchestrator-j1-rank-0" in argv
-    never = podman.ShellCommand(["podman", "exec"], "n", False, tmp_path / "never.pid")
+    never = podman.ShellCommand(["podman", "exec"], "n", False, tmp_path / "never.pid",
+                                tmp_path / "never.exit")  # fmt: skip
     assert podman.end_shell_argv(never, wait_s=0.2) is None  # it never ran: nothing to end
-    own = podman.ShellCommand(["podman", "run"], "n-shell-1", True, tmp_path / "own.pid")
+    own = podman.ShellCommand(["podman", "run"], "n-shell-1", True, tmp_path / "own.pid",
+                              tmp_path / "own.exit")  # fmt: skip
     assert podman.end_shell_argv(own)[-1] == "n-shell-1"  # its own container: removed
+
+
+@pytest.mark.parametrize("command, code", [("echo out; exit 3", 3), ("echo out", 0),
+                                           ("echo out; kill -KILL $$", 137)])  # fmt: skip
+def test_a_shell_command_leaves_its_exit_code_where_podman_cannot_lose_it(command, code, tmp_path):
+    """The shell command's wrapper (here without podman) writes the command's pid, then its
+    exit code, into files the node reads: podman's own code can be an error of its own when the
+    container ends as the command does (test_container_shell.py)."""
+    shell = podman.ShellCommand([], "n", False, tmp_path / "s.pid", tmp_path / "s.exit")
+    argv = podman.shell_wrapper(command, shell.pid_file, shell.exit_file)
+    ran = subprocess.run(argv, input=podman.environment_script({"X": "1"}), capture_output=True)
+    assert ran.returncode == code and ran.stdout == b"out\n"
+    assert int(shell.pid_file.read_text()) > 1
+    assert shell.exit_code(podman_code=255) == code  # podman said the container went away
+    shell.forget()
+    assert shell.exit_code(podman_code=255) == 255  # no file: podman's code is all there is
+    assert not shell.pid_file.exists()

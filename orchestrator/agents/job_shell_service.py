@@ -62,7 +62,7 @@ class JobShellService:
             )  # fmt: skip
         try:
             out, _ = process.communicate(input=script, timeout=timeout_s)
-            code = process.returncode
+            code = process.returncode if shell is None else shell.exit_code(process.returncode)
         except subprocess.TimeoutExpired:
             # In a container, what the command started is not the podman client's: end it there.
             if shell is not None and (end := podman.end_shell_argv(shell)) is not None:
@@ -74,7 +74,7 @@ class JobShellService:
             code = SHELL_TIMEOUT_EXIT
         finally:
             if shell is not None:
-                shell.pid_file.unlink(missing_ok=True)
+                shell.forget()
         text = out[-SHELL_OUTPUT_BYTES:].decode(errors="replace")
         return ShellResult(code, "".join(map(mask, text.splitlines(keepends=True))))
 

@@ -218,8 +218,13 @@ def _run(container: Container, name: str, cwd: str, *flags: str) -> list[str]:
     return argv
 
 
-_SHELL_COMMAND = (  # its pid (inside) to $2, then the command
-    f'. /dev/stdin && {{ {_DRIVER_PATHS}; echo $$ > "$2"; exec /bin/sh -c "$1" </dev/null; }}'
+# A shell command's wrapper: its pid (inside) to $2, then the command, whose exit code goes to
+# $3. podman can fail an exec whose command has ended when the container ends in that moment
+# (the command was what ended it: `touch /tmp/go` for a loop waiting on it); the file still
+# says how the command ended.
+_SHELL_COMMAND = (
+    f'. /dev/stdin && {{ {_DRIVER_PATHS}; echo $$ > "$2"; /bin/sh -c "$1" </dev/null; '
+    'code=$?; echo $code > "$3"; exit $code; }'
 )
 
 
@@ -232,20 +237,40 @@ class ShellCommand:
     name: str
     own_container: bool
     pid_file: Path  # the command's pid inside, once it runs
+    exit_file: Path  # its exit code, once it ended
+
+    def exit_code(self, podman_code: int) -> int:
+        """The command's exit code: the one it wrote where it ended, else (it was killed, or
+        never ran) podman's."""
+        try:
+            return int(self.exit_file.read_text())
+        except (OSError, ValueError):
+            return podman_code
+
+    def forget(self) -> None:
+        self.pid_file.unlink(missing_ok=True)
+        self.exit_file.unlink(missing_ok=True)
+
+
+def shell_wrapper(command: str, pid_file: Path, exit_file: Path) -> list[str]:
+    """What runs a shell command inside: the job's environment from stdin, then `command`."""
+    return ["/bin/sh", "-c", _SHELL_COMMAND, "orchestrator", command, str(pid_file),
+            str(exit_file)]  # fmt: skip
 
 
 def exec_argv(container: Container, cwd: str, command: str) -> ShellCommand:
     """One shell command (`orchestrator shell -- CMD`), its environment on stdin as for the
     commands: in the rank's container while the commands run, else (a held job's nodes, its
     commands ended) in a new container of the image with the rank's binds."""
-    pid_file = Path(container.status_file).parent / f"shell-{uuid.uuid4().hex[:8]}.pid"
-    shell = ["/bin/sh", "-c", _SHELL_COMMAND, "orchestrator", command, str(pid_file)]
+    files = Path(container.status_file).parent / f"shell-{uuid.uuid4().hex[:8]}"
+    pid_file, exit_file = files.with_suffix(".pid"), files.with_suffix(".exit")
+    shell = shell_wrapper(command, pid_file, exit_file)
     if exists(container.name, "container"):
         argv = ["podman", *global_args(), "exec", "-i", "--workdir", cwd, container.name, *shell]
-        return ShellCommand(argv, container.name, False, pid_file)
+        return ShellCommand(argv, container.name, False, pid_file, exit_file)
     name = f"{container.name}-shell-{uuid.uuid4().hex[:8]}"
     argv = [*_run(container, name, cwd, "-i"), container.image, *shell]
-    return ShellCommand(argv, name, True, pid_file)
+    return ShellCommand(argv, name, True, pid_file, exit_file)
 
 
 # Kill process $1 and every process descended from it (by parent pid): what a shell command
