@@ -192,7 +192,9 @@ class Attempts:
                 self.job.lines(events)
                 if over_volume:
                     return AttemptEnd(over_volume=over_volume)
-            time.sleep(POLL_S)
+            # Woken by a rank's end (the job's, for one node), not a poll's later look.
+            if (running := next((r for r in runs if not r.done.is_set()), None)) is not None:
+                running.done.wait(POLL_S)
         failed = next((r for r in runs if r.failed and r.lost is not None), None)
         failed = failed or next((r for r in runs if r.failed), None)
         if failed is None:

@@ -47,6 +47,10 @@ from orchestrator.storage.root import StorageRoot
 STORAGE_BUDGET_S = 10.0  # how long the queue rides out its root's outage before a call fails
 IDLE_DROP_S = 60.0  # a root with nothing queued or admitted this long is forgotten (memory)
 ARRIVALS_POLL_S = {True: 0.05, False: 0.5}  # a local root / an object store: look for pushes
+# Ray's count of free resources lags a placement group's removal (50-80 ms measured here: the
+# raylet tells the GCS): after a job lets go, jobs still waiting are decided again this often,
+# for this long, not at the next tick.
+FREED_LOOK_S, FREED_FOR_S = 0.05, 1.5
 
 __all__ = ["IDLE_DROP_S", "STORAGE_BUDGET_S", "Admission", "RootQueue"]
 
@@ -78,6 +82,7 @@ class RootQueue:
         self.lock = threading.RLock()  # the calls and the ticking thread
         self.idle_since = time.monotonic()
         self.last_beat = 0.0
+        self.look_again_until = 0.0  # resources freed: decided again until then (FREED_FOR_S)
 
     # -- the controllers' calls -----------------------------------------------------------------
 
@@ -101,13 +106,13 @@ class RootQueue:
         """The job ended, was stopped while queued, or left after a preemption."""
         with self.lock:
             if self.queue.release(job_id):
-                self._decide()
+                self._freed()
 
     def requeue(self, job_id: str) -> Admission:
         """A preempted job that flushed and let go: back in the queue, keeping its push time."""
         with self.lock:
             if self.queue.requeue(job_id):
-                self._decide()
+                self._freed()
             return self.admission(job_id)
 
     # -- what clients ask through the storage root (and tests directly) ---------------------------
@@ -247,7 +252,17 @@ class RootQueue:
     def _leave(self, job_id: str) -> None:
         with self.lock:
             if self.queue.release(job_id):
-                self._decide()
+                self._freed()
+
+    def _freed(self) -> None:
+        """A job let go of what it held: decided now, and again soon while others wait (Ray
+        may not count what it freed yet; FREED_LOOK_S)."""
+        if self._decide().waiting:
+            self.look_again_until = time.monotonic() + FREED_FOR_S
+
+    def _look_again(self) -> None:
+        if not self._decide().waiting:
+            self.look_again_until = 0.0
 
     def _beat(self) -> None:
         if self.session is None or time.monotonic() - self.last_beat < BEAT_S:
@@ -269,10 +284,17 @@ class RootQueue:
     def _ticking(self, tick_s: float, forget: Callable[[], None], stop: threading.Event) -> None:
         """A tick every `tick_s`, sooner when a push, stop or request arrives."""
         poll_s = min(tick_s, ARRIVALS_POLL_S[self.root.is_local])
-        next_tick = time.monotonic()
-        while not stop.wait(poll_s):
+        next_tick = next_poll = time.monotonic()
+        while not stop.wait(min(poll_s, FREED_LOOK_S) if self._looking_again() else poll_s):
             try:
-                due = time.monotonic() >= next_tick
+                now = time.monotonic()
+                if self._looking_again():
+                    with self.lock:
+                        self._look_again()
+                    if now < next_poll - FREED_LOOK_S / 2:  # arrivals: looked for every poll_s
+                        continue
+                next_poll = now + poll_s
+                due = now >= next_tick
                 if not due and not self._watched_arrivals():
                     continue
                 next_tick = time.monotonic() + tick_s
@@ -287,6 +309,9 @@ class RootQueue:
                         self._beat()
             except Exception:  # a storage outage, a GCS hiccup: said, and tried again
                 traceback.print_exc()
+
+    def _looking_again(self) -> bool:
+        return time.monotonic() < self.look_again_until
 
     def _watched_arrivals(self) -> bool:
         return self.launcher is not None and self.store.arrivals()
