@@ -50,7 +50,7 @@ ARRIVALS_POLL_S = {True: 0.05, False: 0.5}  # a local root / an object store: lo
 # Ray's count of free resources lags a placement group's removal (50-80 ms measured here: the
 # raylet tells the GCS): after a job lets go, jobs still waiting are decided again this often,
 # for this long, not at the next tick.
-FREED_LOOK_S, FREED_FOR_S = 0.05, 1.5
+FREED_LOOK_S, FREED_FOR_S = 0.05, 0.5
 
 __all__ = ["IDLE_DROP_S", "STORAGE_BUDGET_S", "Admission", "RootQueue"]
 
