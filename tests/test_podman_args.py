@@ -88,3 +88,12 @@ def test_a_shell_command_leaves_its_exit_code_where_podman_cannot_lose_it(comman
     shell.forget()
     assert shell.exit_code(podman_code=255) == 255  # no file: podman's code is all there is
     assert not shell.pid_file.exists()
+
+
+def test_a_shell_command_whose_exit_file_cannot_be_written_says_nothing_of_it(tmp_path):
+    """The command removed the node's directory (or it is read-only): its code still comes
+    back as its shell's, and its output holds nothing of ours."""
+    gone = tmp_path / "gone"
+    argv = podman.shell_wrapper("echo out; exit 3", tmp_path / "s.pid", gone / "s.exit")
+    ran = subprocess.run(argv, input=b"", capture_output=True)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (3, b"out\n", b"")

@@ -224,7 +224,7 @@ def _run(container: Container, name: str, cwd: str, *flags: str) -> list[str]:
 # says how the command ended.
 _SHELL_COMMAND = (
     f'. /dev/stdin && {{ {_DRIVER_PATHS}; echo $$ > "$2"; /bin/sh -c "$1" </dev/null; '
-    'code=$?; echo $code > "$3"; exit $code; }'
+    'code=$?; { echo $code > "$3"; } 2>/dev/null; exit $code; }'
 )
 
 
