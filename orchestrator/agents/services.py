@@ -7,6 +7,7 @@ they need; Ray's `get_if_exists` makes concurrent first uses agree on one.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from orchestrator import actor_names
@@ -18,6 +19,15 @@ def this_node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id()
+
+
+@functools.cache
+def actor_class(cls: type) -> Any:
+    """`ray.remote(cls)`, made once a process: each `ray.remote` of a class exports it to the
+    GCS again, about 40 ms before its actor is even asked for, at every job's start."""
+    import ray
+
+    return ray.remote(cls)
 
 
 def actor_alive(name: str) -> bool:
@@ -41,7 +51,6 @@ def shared_actor(
     after a node's disk.
     `max_restarts`: how often Ray starts it again when its process dies (-1: always).
     """
-    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     options: dict[str, Any] = {
@@ -55,4 +64,4 @@ def shared_actor(
     }
     if node := on_node or (this_node_id() if pinned_here else None):
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-    return ray.remote(cls).options(**options).remote(*args)
+    return actor_class(cls).options(**options).remote(*args)

@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.agents.checkpoint_uploader import CheckpointUploader
 from orchestrator.agents.node_agent import uploader_name
-from orchestrator.agents.services import NAMESPACE
+from orchestrator.agents.services import NAMESPACE, actor_class
 from orchestrator.errors import CheckpointNotFound, JobNotFound, RestoreFailed
 from orchestrator.spec.checkpoints import (
     _BasetenLatestCheckpoint,
@@ -129,7 +129,7 @@ class Uploaders:
         checkpointing = record.spec.job.runtime.checkpointing_config
         settings = record.checkpoint_upload.model_dump()
         self.actors = [
-            ray.remote(CheckpointUploader)
+            actor_class(CheckpointUploader)
             .options(
                 name=uploader_name(record.job_id, rank),
                 namespace=NAMESPACE,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import socket
 import threading
 import time
@@ -37,7 +38,7 @@ from orchestrator.agents.node_agent import (
     agent_name,
 )
 from orchestrator.agents.rendezvous import Rendezvous
-from orchestrator.agents.services import NAMESPACE
+from orchestrator.agents.services import NAMESPACE, actor_class
 from orchestrator.controller.checkpointing import Uploaders
 from orchestrator.controller.failure_policy import Fault, FaultKind
 from orchestrator.controller.node_group import NodeGroupError, NodeLostError, RankRun, short_error
@@ -155,22 +156,25 @@ class RayNodeGroup:
 
     def _start_agent(self, rank: int) -> Any:
         bundle = bundles_for(self.record.spec.job.compute)[rank]
-        agent_cls = ray.remote(concurrency_groups={TERMINAL_GROUP: TERMINAL_THREADS})(NodeAgent)
         image = self.record.spec.job.image.base_image
         runtime_env = {"image_uri": image} if use_image_uri() else None
-        return agent_cls.options(
-            name=agent_name(self.record.job_id, rank),
-            namespace=NAMESPACE,
-            max_concurrency=4,
-            num_cpus=bundle["CPU"],
-            num_gpus=bundle.get("GPU", 0),
-            memory=bundle["memory"],
-            resources={k: v for k, v in bundle.items() if k.startswith("accelerator")},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=rank
-            ),
-            runtime_env=runtime_env,
-        ).remote(self.record.job_id, rank, self.record.storage_root, self.record.team)
+        return (
+            _agent_class()
+            .options(
+                name=agent_name(self.record.job_id, rank),
+                namespace=NAMESPACE,
+                max_concurrency=4,
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                memory=bundle["memory"],
+                resources={k: v for k, v in bundle.items() if k.startswith("accelerator")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                ),
+                runtime_env=runtime_env,
+            )
+            .remote(self.record.job_id, rank, self.record.storage_root, self.record.team)
+        )
 
     def _start_rendezvous(self, group_size: int) -> Any:
         """One per attempt: the barrier and the leader's port are that attempt's. Started with
@@ -187,7 +191,7 @@ class RayNodeGroup:
             self.helpers.remove(self.rendezvous)
         self.attempt += 1
         rendezvous = (
-            ray.remote(Rendezvous)
+            actor_class(Rendezvous)
             .options(
                 name=actor_names.rendezvous(self.record.job_id, self.attempt),
                 namespace=NAMESPACE,
@@ -456,6 +460,13 @@ class RayNodeGroup:
 
 
 IMAGE_URI_ENV = settings.USE_IMAGE_URI.name
+
+
+@functools.cache
+def _agent_class() -> Any:
+    """The node agent's actor class, made once a process (services.actor_class says why); its
+    concurrency groups can be given only here, not in `.options`."""
+    return ray.remote(concurrency_groups={TERMINAL_GROUP: TERMINAL_THREADS})(NodeAgent)
 
 
 def use_image_uri() -> bool:
