@@ -17,8 +17,11 @@ from pathlib import Path
 import orchestrator
 
 PACKAGE = Path(orchestrator.__file__).parent
-# `ray.remote(Cls)`, `ray.remote(concurrency_groups={...})(Cls)`, `shared_actor(Cls, ...)`
-STARTED = re.compile(r"(?:ray\.remote\((?:[^()]*\)\()?|shared_actor\(\s*)([A-Z]\w+)\b")
+# `ray.remote(Cls)`, `ray.remote(concurrency_groups={...})(Cls)`, `shared_actor(Cls, ...)`,
+# `actor_class(Cls)`
+STARTED = re.compile(
+    r"(?:ray\.remote\((?:[^()]*\)\()?|shared_actor\(\s*|actor_class\()([A-Z]\w+)\b"
+)
 
 
 def actor_classes() -> dict[str, type]:
