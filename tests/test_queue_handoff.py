@@ -90,9 +90,26 @@ def test_a_release_that_frees_nothing_ray_sees_stops_looking_after_a_while(servi
     cluster.freed_in(None)
     before = cluster.reads
     queues.release(root, "first")
+    queue = queues.queues[root]
     eventually(lambda: cluster.reads >= before + 5, "the queue looking again", 5)
-    time.sleep(FREED_FOR_S + 0.2)  # the looks' window is over (a fixed span, not a wait on state)
+    eventually(lambda: not queue._looking_again(), "the looks to end", 5 * FREED_FOR_S)
+    time.sleep(0.1)  # a look begun as the window closed ends
     settled = cluster.reads
-    time.sleep(0.5)
+    time.sleep(0.5)  # ten looks' worth of time, with none
     assert cluster.reads == settled  # no more looks until the next tick, 30 s on
     assert queues.admission(root, "second").state == "queued"
+
+
+def test_what_one_roots_job_frees_goes_to_another_roots_waiting_job(service, tmp_path):
+    """Two teams' storage roots on one cluster: a job of one ends, the other's waiting job is
+    admitted once Ray counts the nodes free, not at its own root's next tick."""
+    queues, cluster = service
+    mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
+    assert queues.enqueue(mine, entry("first", 1.0)).state == "admitted"
+    cluster.busy()
+    assert queues.enqueue(theirs, entry("second", 2.0)).state == "queued"
+
+    cluster.freed_in(0.3)
+    queues.release(mine, "first")
+    eventually(lambda: queues.admission(theirs, "second").state == "admitted",
+               "the other root's job admitted once Ray counts the nodes free", 5)  # fmt: skip

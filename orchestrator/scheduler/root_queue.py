@@ -62,7 +62,10 @@ class RootQueue:
         self, storage_root: str, policy: SchedulingPolicy, cluster: ClusterReader,
         autoscaling: bool = False, storage_budget_s: float = STORAGE_BUDGET_S,
         launcher: ControllerLauncher | None = None, prefetch: Pull | None = None,
+        freed: Callable[[], None] = lambda: None,
     ) -> None:  # fmt: skip
+        """`freed`: told when a job of this root lets go of its nodes (the service has the
+        other roots' queues look again: what one root's job freed, another's may take)."""
         self.root = StorageRoot(storage_root, StorageRetry(storage_root, storage_budget_s))
         self.store = store = QueueStore(self.root)
         self.queue = QueueManager(store)
@@ -83,6 +86,7 @@ class RootQueue:
         self.idle_since = time.monotonic()
         self.last_beat = 0.0
         self.look_again_until = 0.0  # resources freed: decided again until then (FREED_FOR_S)
+        self.freed = freed
 
     # -- the controllers' calls -----------------------------------------------------------------
 
@@ -258,7 +262,12 @@ class RootQueue:
         """A job let go of what it held: decided now, and again soon while others wait (Ray
         may not count what it freed yet; FREED_LOOK_S)."""
         if self._decide().waiting:
-            self.look_again_until = time.monotonic() + FREED_FOR_S
+            self.look_soon()
+        self.freed()
+
+    def look_soon(self) -> None:
+        """Decide again every FREED_LOOK_S for FREED_FOR_S (then the tick goes on)."""
+        self.look_again_until = time.monotonic() + FREED_FOR_S
 
     def _look_again(self) -> None:
         if not self._decide().waiting:

@@ -114,7 +114,8 @@ class QueueService:
             return queue
         # Read from the storage root outside the dicts' lock: another root's calls go on.
         fresh = RootQueue(root, self.policy, self.cluster, self.autoscaling,
-                          launcher=self.launcher, prefetch=self.prefetch)  # fmt: skip
+                          launcher=self.launcher, prefetch=self.prefetch,
+                          freed=lambda: self._freed_in(root))  # fmt: skip
         with self.lock:
             queue = self.queues.setdefault(root, fresh)
             if queue is fresh:
@@ -123,6 +124,13 @@ class QueueService:
                 )
                 self._remember()
         return queue
+
+    def _freed_in(self, root: str) -> None:
+        """A job of `root` let go of its nodes: the other roots' waiting jobs may fit now."""
+        with self.lock:
+            others = [q for r, q in self.queues.items() if r != root]
+        for queue in others:
+            queue.look_soon()
 
     def _forget(self, root: str, queue: RootQueue) -> None:
         with self.lock:
