@@ -48,6 +48,14 @@ LIB = """
 import hashlib, json, os, pathlib, time
 
 ROOT = pathlib.Path(os.environ["BT_CHECKPOINT_DIR"])
+GO = pathlib.Path(__GO__)  # the test makes it once it has seen what it waited for
+
+
+def held_until_told(timeout=120):
+    '''Keep the job running until the test says it has seen enough (`told_to_go`).'''
+    deadline = time.monotonic() + timeout
+    while not GO.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def sha(path):
@@ -95,7 +103,13 @@ def writer_job(
     config = CONFIG.format(
         project=project, path=repr(checkpoint_path) if checkpoint_path else None, load=load
     )
-    return make_job(directory, config, {"job.py": script, "ckptlib.py": LIB})
+    lib = LIB.replace("__GO__", repr(str(go_file(directory))))
+    return make_job(directory, config, {"job.py": script, "ckptlib.py": lib})
+
+
+def go_file(job_directory: Path) -> Path:
+    """What a writer's `held_until_told()` waits for, beside its job's directory."""
+    return job_directory.with_name(f"{job_directory.name}.go")
 
 
 class Observer:
@@ -143,14 +157,18 @@ def run_writer(
     return job, observer
 
 
-def uploaded_while_running(job: JobHandle, root_url: str, name: str) -> Observer:
-    """Wait until `name` is listed, check the job was still running then, and let it end."""
+def uploaded_while_running(
+    job: JobHandle, root_url: str, name: str, job_directory: Path
+) -> Observer:
+    """Wait until `name` is listed, check the job was still running then (its writer is
+    `held_until_told()`), and let it end."""
     observer = Observer(root_url, job.project_id, job.id)
     deadline = time.monotonic() + 60
     while name not in observer.first_seen:
         assert time.monotonic() < deadline, job.logs()
         time.sleep(0.1)
     assert job.status() == JobState.RUNNING, f"{name} must be uploaded while the job runs"
+    go_file(job_directory).touch()
     assert job.wait(timeout=60) == JobState.COMPLETED
     observer.stop()
     return observer

@@ -28,6 +28,7 @@ from orchestrator.cluster.local import CLUSTER_ENV, LocalCluster, LocalClusterIn
 from orchestrator.cluster.processes import any_alive, terminate
 from orchestrator.cluster.ray_start import free_ports
 from orchestrator.home import ORCHESTRATOR_HOME_ENV
+from orchestrator.node.node_root import NODE_ROOT_ENV
 from orchestrator.storage.root import StorageRoot
 
 NODE_SECRET_NAME = "leak_test_token"
@@ -213,11 +214,13 @@ def ray_cluster(
 
     Started after the servers, so its processes inherit their variables. Its nodes hold a few
     secrets (ORCHESTRATOR_SECRET_<NAME>, the node-side secret source), and keep their weights
-    cache in a directory of this session.
+    cache and the ranks' directories in directories of this session.
     """
     for name, value in NODE_SECRETS.items():
         os.environ[f"ORCHESTRATOR_SECRET_{name.upper()}"] = value
     os.environ[NODE_CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("node-weights-cache"))
+    # The ranks' directories too: what a crashed or stopped node leaves is the session's.
+    os.environ[NODE_ROOT_ENV] = str(tmp_path_factory.mktemp("node-root"))
     cluster = LocalCluster()
     info = cluster.ensure_running()
     use_embedded_env(info.token_file)  # the tests' own Ray clients need its token too

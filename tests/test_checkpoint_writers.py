@@ -126,8 +126,8 @@ def test_torch_distributed_checkpoint(tmp_path, root_url):
 
 
 RENAMED_INTO_PLACE = """
-import os, time
-from ckptlib import ROOT, wrote
+import os
+from ckptlib import ROOT, held_until_told, wrote
 
 tmp = ROOT / ".checkpoint-1.partial"
 tmp.mkdir()
@@ -136,7 +136,7 @@ for i in range(3):
 tmp.rename(ROOT / "checkpoint-1")
 wrote("checkpoint-1")
 print("renamed", flush=True)
-time.sleep(8)
+held_until_told()
 """
 
 
@@ -144,7 +144,7 @@ def test_a_rename_into_place_is_the_commit(tmp_path, root_url, monkeypatch):
     """With a settle time far longer than the job, only the rename can start the upload."""
     monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "60")
     job = push(writer_job(tmp_path / "job", "renamed", RENAMED_INTO_PLACE), storage_root=root_url)
-    observer = uploaded_while_running(job, root_url, "checkpoint-1")
+    observer = uploaded_while_running(job, root_url, "checkpoint-1", tmp_path / "job")
     check_stored(job, observer, ["checkpoint-1"], tmp_path)
     assert any("checkpoint-1 uploaded (renamed into place)" in line for line in job.logs())
 
@@ -247,23 +247,23 @@ def test_links_inside_a_checkpoint(tmp_path, root_url):
 
 
 MARKED = """
-import os, time
+import os
 from orchestrator import mark_checkpoint_complete
-from ckptlib import ROOT, wrote
+from ckptlib import ROOT, held_until_told, wrote
 
 d = ROOT / "checkpoint-1"
 d.mkdir()
 (d / "weights.bin").write_bytes(os.urandom(30_000))
 mark_checkpoint_complete(d)
 wrote("checkpoint-1")
-time.sleep(8)
+held_until_told()
 """
 
 
 def test_the_completion_marker_starts_the_upload_at_once(tmp_path, root_url, monkeypatch):
     monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_SETTLE_S", "60")
     job = push(writer_job(tmp_path / "job", "marked", MARKED), storage_root=root_url)
-    observer = uploaded_while_running(job, root_url, "checkpoint-1")
+    observer = uploaded_while_running(job, root_url, "checkpoint-1", tmp_path / "job")
     check_stored(job, observer, ["checkpoint-1"], tmp_path)
     assert any("checkpoint-1 uploaded (marked complete)" in line for line in job.logs())
 
