@@ -51,8 +51,9 @@ ROOT = pathlib.Path(os.environ["BT_CHECKPOINT_DIR"])
 GO = pathlib.Path(__GO__)  # the test makes it once it has seen what it waited for
 
 
-def held_until_told(timeout=120):
-    '''Keep the job running until the test says it has seen enough (`told_to_go`).'''
+def held_until_told(timeout=90):
+    '''Keep the job running until the test has seen what it waited for (GO made by
+    `uploaded_while_running`), or for `timeout` seconds.'''
     deadline = time.monotonic() + timeout
     while not GO.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -164,11 +165,13 @@ def uploaded_while_running(
     `held_until_told()`), and let it end."""
     observer = Observer(root_url, job.project_id, job.id)
     deadline = time.monotonic() + 60
-    while name not in observer.first_seen:
-        assert time.monotonic() < deadline, job.logs()
-        time.sleep(0.1)
-    assert job.status() == JobState.RUNNING, f"{name} must be uploaded while the job runs"
-    go_file(job_directory).touch()
+    try:
+        while name not in observer.first_seen:
+            assert time.monotonic() < deadline, job.logs()
+            time.sleep(0.1)
+        assert job.status() == JobState.RUNNING, f"{name} must be uploaded while the job runs"
+    finally:  # a failed test's job does not hold the session's cluster
+        go_file(job_directory).touch()
     assert job.wait(timeout=60) == JobState.COMPLETED
     observer.stop()
     return observer
