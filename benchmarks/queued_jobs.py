@@ -236,6 +236,7 @@ def main() -> None:
             against = f" ({took / ideal:.2f}x the ideal {ideal:g} s)" if ideal else ""
             print(f"\ngate opened: {done} of {len(ended)} COMPLETED in {took:.1f} s{against}")
             print_phases([h.details().history for h in handles[3:]], args.sleep)
+        print_host_overhead(info.dashboard_url)
         print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     finally:
         cluster.stop()
@@ -283,6 +284,19 @@ def print_running_overhead(address: str, job_id: str) -> None:
         title = " ".join(p.cmdline())[:70]
         print(f"  {p.pid:>7} {info.rss / MIB:7.1f} {info.uss / MIB:7.1f}  {title}")
     print(f"  in all: {total_rss:.0f} MiB RSS, {total_uss:.0f} MiB USS (not shared)")
+
+
+def print_host_overhead(address: str) -> None:
+    """The controller host's resident Ray job (its supervisor and driver; once per cluster,
+    not per job: controller/host.py), if one runs."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    for job in JobSubmissionClient(address).list_jobs():
+        if (job.metadata or {}).get("orchestrator_role") == "controller-host" and (
+            job.status == JobStatus.RUNNING
+        ):
+            print("\nthe controller host's resident Ray job, once per cluster:", end="")
+            print_running_overhead(address, job.submission_id)
 
 
 def service_pid(gcs_address: str) -> int:

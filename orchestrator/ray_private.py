@@ -107,6 +107,40 @@ def job_driver_place() -> tuple[str, str, str]:
     return agent, ray.get_runtime_context().get_node_id(), node.get_logs_dir_path()
 
 
+def prestart_workers(node_id: str, job_id: str, runtime_env: str, count: int, keep_s: int) -> None:
+    """Have the raylet of `node_id` start `count` idle workers of Ray job `job_id` (hex), with
+    `runtime_env` (serialized, as the job's actors have it), kept `keep_s` seconds: the
+    raylet's `PrestartWorkers` gRPC call, which Ray's Python API does not offer."""
+    import ray
+
+    try:
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+        from ray.core.generated.runtime_environment_pb2 import RuntimeEnvInfo
+    except ImportError:
+        raise RayPrivateApiMissing(
+            f"this Ray ({ray.__version__}) has no raylet PrestartWorkers call, which "
+            "orchestrator uses; install the Ray version orchestrator's pyproject.toml pins"
+        ) from None
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]), None)
+    if node is None:
+        return
+    address = f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}"
+    if address not in _raylets:
+        _raylets[address] = node_manager_pb2_grpc.NodeManagerServiceStub(init_grpc_channel(address))
+    _raylets[address].PrestartWorkers(
+        node_manager_pb2.PrestartWorkersRequest(
+            language=common_pb2.Language.PYTHON, job_id=bytes.fromhex(job_id),
+            runtime_env_info=RuntimeEnvInfo(serialized_runtime_env=runtime_env),
+            keep_alive_duration_secs=keep_s, num_workers=count,
+        ),
+        timeout=10,
+    )  # fmt: skip
+
+
+_raylets: dict[str, Any] = {}  # raylet address: its gRPC stub, made once a process
+
+
 def _private(module: str, name: str) -> Any:
     import importlib
 

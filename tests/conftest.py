@@ -300,6 +300,23 @@ def eventually(predicate, what: str, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
+def controller_host_up(dashboard_url: str) -> bool:
+    """Whether the cluster's controller host runs, in a running resident Ray job of its own: a
+    cluster's first Ray-job controller starts it, a few seconds after its own start
+    (controller/host.py, ensure_host); jobs admitted before it runs are Ray jobs of their own."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.util.state import list_actors
+
+    from orchestrator.actor_names import CONTROLLER_HOST
+
+    running = {j.job_id for j in JobSubmissionClient(dashboard_url).list_jobs()
+               if (j.metadata or {}).get("orchestrator_role") == "controller-host"
+               and j.status == JobStatus.RUNNING}  # fmt: skip
+    alive = [("name", "=", CONTROLLER_HOST), ("state", "=", "ALIVE")]
+    hosts = list_actors(address=dashboard_url, filters=alive, raise_on_missing_output=False)
+    return len(hosts) == 1 and hosts[0].job_id in running
+
+
 def simulated_cluster(ray_client_port: int | None = None) -> tuple[Cluster, str]:
     """A `ray.cluster_utils.Cluster` head (1 CPU, a dashboard on loopback) that jobs are pushed
     to by its dashboard address; the caller adds the workers and shuts it down. Not the

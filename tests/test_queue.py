@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
-from conftest import eventually, make_job, simulated_cluster
+from conftest import controller_host_up, eventually, make_job, simulated_cluster
 from ray.cluster_utils import Cluster
 from ray.job_submission import JobSubmissionClient
 
@@ -321,6 +321,7 @@ def test_an_admitted_job_runs_its_controller_in_the_host_and_shows_as_a_ray_job(
     root = str(tmp_path / "storage")
     first = push(job(tmp_path / "first", "echo first"), address=address, storage_root=root)
     assert first.wait(timeout=120) == JobState.COMPLETED  # its own Ray job: the root's service
+    eventually(lambda: controller_host_up(address), "the controller host", 60)  # it started it
     sleeper = push(job(tmp_path / "sleeper", "python -c 'import time; time.sleep(600)'"),
                    address=address, storage_root=root)  # fmt: skip
     eventually(lambda: sleeper.status() == JobState.RUNNING, "the hosted job to run", 60)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
-from conftest import make_job
+from conftest import controller_host_up, eventually, make_job
 from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.state import list_actors
 
@@ -47,6 +47,7 @@ def test_a_new_roots_first_push_is_queued_with_no_ray_job_of_its_own(tmp_path, r
     warm = push(make_job(tmp_path / "warm", JOB, {"run.py": QUICK}),
                 storage_root=str(tmp_path / "a-root"))  # fmt: skip
     assert warm.wait(timeout=120) == JobState.COMPLETED, warm.logs()
+    eventually(lambda: controller_host_up(ray_cluster.dashboard_url), "the controller host", 60)
 
     fresh = str(tmp_path / "a-new-root")
     began = time.monotonic()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import make_job
+from conftest import controller_host_up, eventually, make_job
 
 from orchestrator.client.api import get_job, push
 from orchestrator.cluster.local import LocalCluster, embedded_env
@@ -134,9 +134,11 @@ def test_cli_push_tail_runs_the_mnist_recipe_to_completed(storage_root, ray_clus
 
 
 def test_stopping_the_cluster_stops_its_jobs_and_what_they_stored_outlives_it(
-    tmp_path, storage_root
+    tmp_path, storage_root, ray_cluster
 ):
-    """One short-lived cluster: a job that completed and one still running when it stops."""
+    """One short-lived cluster: a job that completed and one still running when it stops.
+    (`ray_cluster`: this process as a client of the home's clusters, with their token; the
+    test failed when run alone without it.)"""
     cluster = LocalCluster(state_dir=tmp_path / "short-lived-cluster")
     info = cluster.start()
     try:
@@ -145,6 +147,7 @@ def test_stopping_the_cluster_stops_its_jobs_and_what_they_stored_outlives_it(
         config = make_job(tmp_path / "job", HELLO, {"hello.py": hello})
         done = push(config, address=info.dashboard_url, storage_root=storage_root)
         assert done.wait(timeout=120) == JobState.COMPLETED
+        eventually(lambda: controller_host_up(info.dashboard_url), "the controller host", 60)
         config = make_job(tmp_path / "sleeper", HELLO, {"hello.py": SLEEPER})
         running = push(config, address=info.dashboard_url, storage_root=storage_root)
         wait_for_line(running, "up")

@@ -13,7 +13,9 @@ anyway is recorded FAILED here; and the queue service asks the host which contro
 Ray job's is. The host is a detached actor that Ray does not restart: when its process dies,
 so do the agents and placement groups its controllers held, the service fails their jobs, and
 the next controller that is a Ray job of its own (a root's first push, or the job the service
-starts that way because no host runs) starts a new host (a new `incarnation`).
+starts that way because no host runs) starts a new host (a new `incarnation`), through a
+resident Ray job whose driver stays while the host lives (`ensure_host`): Ray starts workers
+ahead only for a Ray job that lives (warm_workers.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from orchestrator import actor_names, settings
+from orchestrator.agents import services
 from orchestrator.scheduler.launcher import HostedJob, HostTable
 
 HOST_NAME = actor_names.CONTROLLER_HOST
@@ -78,6 +81,19 @@ class ControllerHost:
         with self.lock:
             return HostTable(self.incarnation, frozenset(self.threads),
                              tuple(self.ended.items()))  # fmt: skip
+
+    def ray_job(self) -> str | None:
+        """The Ray job this host belongs to (its resident driver's, when that started it)."""
+        import ray
+
+        return ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
+
+    def keep_workers_warm(self) -> None:
+        """Its Ray job's driver stays (`--resident`): workers started ahead for the next jobs'
+        agents are taken now, not ended with a finished Ray job (warm_workers.py)."""
+        from orchestrator.controller import warm_workers
+
+        warm_workers.turn_on()
 
     def stop_all(self, timeout_s: float) -> list[str]:
         """Stop every controller and wait for them (up to `timeout_s`); those still running."""
@@ -211,11 +227,78 @@ def record_failed(storage_root: str, job_id: str, cause: str) -> None:
 def ensure_host() -> None:
     """Start the cluster's controller host on this node (the head) unless it runs or the head
     says controllers are Ray jobs: called by each controller that is a Ray job of its own, so
-    the queue service, which finds the host by name, has one again after it died."""
-    from orchestrator.agents.services import shared_actor
+    the queue service, which finds the host by name, has one again after it died.
 
-    if settings.CONTROLLERS.get() == "hosted" and _running_host() is None:
-        shared_actor(ControllerHost, HOST_NAME, pinned_here=True, max_concurrency=64)
+    The host is started by a Ray job of its own whose driver stays (`python -m
+    orchestrator.controller.host --resident`, a RUNNING job in the dashboard): a detached
+    actor of a Ray job that has ended gets no workers started ahead (warm_workers.py). When
+    that job cannot start the host, the host is started from here, as a detached actor of
+    this job, and works without them."""
+    if settings.CONTROLLERS.get() != "hosted" or _running_host() is not None:
+        return
+    try:
+        _start_resident()
+    except Exception:
+        traceback.print_exc()
+    if _running_host() is None:
+        _make_host(services.this_node_id())
+
+
+RESIDENT_START_S = 60.0
+
+
+def _make_host(node_id: str) -> Any:
+    return services.shared_actor(ControllerHost, HOST_NAME, on_node=node_id, max_concurrency=64)
+
+
+def _start_resident() -> None:
+    """Submit the host's resident Ray job and wait until its host answers (or it ended)."""
+    import shlex
+    import sys
+
+    from ray.job_submission import JobSubmissionClient
+
+    from orchestrator import ray_private
+
+    address = ray_private.dashboard_address()
+    if not address:
+        raise RuntimeError("no dashboard (Job API) to start the controller host's Ray job")
+    client = JobSubmissionClient(address if "://" in address else f"http://{address}")
+    submission = client.submit_job(
+        submission_id=f"orchestrator-controller-host-{uuid.uuid4().hex[:8]}",
+        entrypoint=f"{shlex.quote(sys.executable)} -m orchestrator.controller.host "
+        f"--resident {services.this_node_id()}",
+        entrypoint_num_cpus=0,
+        metadata={"orchestrator_role": "controller-host"},
+    )  # fmt: skip
+    deadline = time.monotonic() + RESIDENT_START_S
+    while time.monotonic() < deadline and _running_host() is None:
+        if client.get_job_status(submission).is_terminal():
+            raise RuntimeError(f"the controller host's Ray job {submission} ended: "
+                               f"{client.get_job_info(submission).message}")  # fmt: skip
+        time.sleep(0.1)
+
+
+def resident(node_id: str) -> int:
+    """The driver of the host's Ray job: start the host on `node_id` and stay while it lives,
+    so that the host's Ray job lives. A host another driver started is left to that one."""
+    import ray
+
+    host = _make_host(node_id)
+    if ray.get(host.ray_job.remote(), timeout=60) != ray.get_runtime_context().get_job_id():
+        print("a controller host runs already, started by another Ray job; nothing to do")
+        return 0
+    ray.get(host.keep_workers_warm.remote(), timeout=60)
+    print("the controller host runs; this Ray job lives as long as it does", flush=True)
+    while True:
+        try:
+            ray.get(host.table.remote(), timeout=60)
+        except ray.exceptions.GetTimeoutError:
+            pass  # busy, not gone
+        except ray.exceptions.RayActorError as e:
+            print(f"the controller host is gone ({type(e).__name__}); this Ray job ends")
+            return 0
+        time.sleep(5)
 
 
 def _running_host() -> Any | None:
@@ -252,7 +335,8 @@ def stop_every_controller(timeout_s: float) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m orchestrator.controller.host --stop JOB_ID | --stop-all TIMEOUT_S`"""
+    """`python -m orchestrator.controller.host --stop JOB_ID | --stop-all TIMEOUT_S |
+    --resident NODE_ID`"""
     import argparse
 
     import ray
@@ -261,8 +345,11 @@ def main(argv: list[str]) -> int:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--stop", metavar="JOB_ID")
     what.add_argument("--stop-all", metavar="TIMEOUT_S", type=float)
+    what.add_argument("--resident", metavar="NODE_ID")
     args = parser.parse_args(argv)
     ray.init(address="auto", log_to_driver=False)
+    if args.resident:
+        return resident(args.resident)
     if args.stop:
         running = stop_controller(args.stop)
         print(f"job {args.stop}: " + ("its controller stops" if running else "not running here"))

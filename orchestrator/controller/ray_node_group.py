@@ -39,6 +39,7 @@ from orchestrator.agents.node_agent import (
 )
 from orchestrator.agents.rendezvous import Rendezvous
 from orchestrator.agents.services import NAMESPACE, actor_class
+from orchestrator.controller import warm_workers
 from orchestrator.controller.checkpointing import Uploaders
 from orchestrator.controller.failure_policy import Fault, FaultKind
 from orchestrator.controller.node_group import NodeGroupError, NodeLostError, RankRun, short_error
@@ -261,6 +262,8 @@ class RayNodeGroup:
     def start(self, requests: list[StartRequest], on_lines: Callable[[list[str]], None]) -> None:
         if self.runs:  # a later attempt: the group meets anew
             self.rendezvous = self._start_rendezvous(len(self.agents))
+        else:
+            self._warm_for_next()
         self.runs = [RankRun(rank) for rank in range(len(self.agents))]
         for agent, request, run in zip(self.agents, requests, self.runs, strict=True):
             request = dataclasses.replace(request, rendezvous=self.rendezvous)
@@ -268,6 +271,20 @@ class RayNodeGroup:
                 num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKLOG
             ).remote(request)
             threading.Thread(target=self._follow, args=(stream, run, on_lines), daemon=True).start()
+
+    def _warm_for_next(self) -> None:
+        """In the controller host, as many workers again as this job's actors took, on their
+        nodes, for the next job's (warm_workers.py); asked once its commands run, so that
+        they do not slow this job's own start."""
+        if not warm_workers.is_on():
+            return
+        nodes = self.placed_nodes()
+        wanted = [] if use_image_uri() else list(nodes)  # an agent in an image: its own env
+        if self.uploaders is not None:
+            wanted += nodes
+        if self.rendezvous is not None:
+            wanted.append(nodes[0])
+        warm_workers.after_start(wanted)
 
     def _follow(self, stream: Any, run: RankRun, on_lines: Callable[[list[str]], None]) -> None:
         held = ""  # a long line's pieces so far (OutputLines.continues)
