@@ -293,11 +293,11 @@ def resident(node_id: str) -> int:
     while True:
         try:
             ray.get(host.table.remote(), timeout=60)
-        except ray.exceptions.GetTimeoutError:
-            pass  # busy, not gone
-        except ray.exceptions.RayActorError as e:
+        except ray.exceptions.ActorDiedError as e:
             print(f"the controller host is gone ({type(e).__name__}); this Ray job ends")
             return 0
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            pass  # busy or out of reach for a moment, not gone
         time.sleep(5)
 
 

@@ -260,10 +260,9 @@ class RayNodeGroup:
     # --- running ---------------------------------------------------------------------------
 
     def start(self, requests: list[StartRequest], on_lines: Callable[[list[str]], None]) -> None:
-        if self.runs:  # a later attempt: the group meets anew
+        first = not self.runs
+        if not first:  # a later attempt: the group meets anew
             self.rendezvous = self._start_rendezvous(len(self.agents))
-        else:
-            self._warm_for_next()
         self.runs = [RankRun(rank) for rank in range(len(self.agents))]
         for agent, request, run in zip(self.agents, requests, self.runs, strict=True):
             request = dataclasses.replace(request, rendezvous=self.rendezvous)
@@ -271,14 +270,17 @@ class RayNodeGroup:
                 num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKLOG
             ).remote(request)
             threading.Thread(target=self._follow, args=(stream, run, on_lines), daemon=True).start()
+        if first and warm_workers.is_on():
+            threading.Thread(target=self._warm_for_next, name="warm-workers", daemon=True).start()
 
     def _warm_for_next(self) -> None:
         """In the controller host, as many workers again as this job's actors took, on their
-        nodes, for the next job's (warm_workers.py); asked once its commands run, so that
-        they do not slow this job's own start."""
-        if not warm_workers.is_on():
+        nodes, for the next job's (warm_workers.py); asked once its commands were started, in
+        a thread of its own, so that neither this job's start nor its controller waits on it."""
+        try:
+            nodes = self.placed_nodes()
+        except Exception:  # its placement group is gone already: nothing to warm for
             return
-        nodes = self.placed_nodes()
         wanted = [] if use_image_uri() else list(nodes)  # an agent in an image: its own env
         if self.uploaders is not None:
             wanted += nodes
