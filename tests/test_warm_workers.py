@@ -85,10 +85,15 @@ def test_a_host_whose_resident_job_was_stopped_runs_jobs_on(tmp_path, ray_cluste
         info = client.get_job_info(job.id)
         assert info.metadata["orchestrator_controller"] == "hosted"
 
-    # The host dies: the next job's controller is a Ray job, which starts a resident one again.
+    # The host dies: the next jobs' controllers are Ray jobs, each starting it if none runs;
+    # three at once start one resident Ray job, not three.
     killer = client.submit_job(entrypoint=f"{shlex.quote(sys.executable)} -c {shlex.quote(KILL)}")
     eventually(lambda: client.get_job_status(killer) == JobStatus.SUCCEEDED, "the kill", 60)
-    job = push(make_job(tmp_path / "again", JOB, {"run.py": AGENT_BORN}), storage_root=root)
-    assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
+    before = len(host_jobs(client))
+    jobs = [push(make_job(tmp_path / f"again{i}", JOB, {"run.py": AGENT_BORN}),
+                 storage_root=str(tmp_path / f"root{i}")) for i in range(3)]  # fmt: skip
+    for job in jobs:
+        assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
     eventually(lambda: controller_host_up(ray_cluster.dashboard_url),
                "a new host in a new resident Ray job", 60)  # fmt: skip
+    assert len(host_jobs(client)) == before + 1, [j.submission_id for j in host_jobs(client)]

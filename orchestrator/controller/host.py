@@ -245,6 +245,8 @@ def ensure_host() -> None:
 
 
 RESIDENT_START_S = 60.0
+RESIDENT_ROLE = "controller-host"  # the resident Ray job's metadata `orchestrator_role`
+RESIDENT_PREFIX = "orchestrator-controller-host-"
 
 
 def _make_host(node_id: str) -> Any:
@@ -252,7 +254,12 @@ def _make_host(node_id: str) -> Any:
 
 
 def _start_resident() -> None:
-    """Submit the host's resident Ray job and wait until its host answers (or it ended)."""
+    """Have the host's resident Ray job run and wait until its host answers.
+
+    Several controllers may ask at once (every Ray-job controller started while no host ran):
+    one that finds a resident job not ended waits for its host, and the submission ids are
+    numbered (`orchestrator-controller-host-<n>`, one more than the resident jobs so far), so
+    two that count the same submit one job: the Job API refuses a second with that id."""
     import shlex
     import sys
 
@@ -264,19 +271,35 @@ def _start_resident() -> None:
     if not address:
         raise RuntimeError("no dashboard (Job API) to start the controller host's Ray job")
     client = JobSubmissionClient(address if "://" in address else f"http://{address}")
-    submission = client.submit_job(
-        submission_id=f"orchestrator-controller-host-{uuid.uuid4().hex[:8]}",
-        entrypoint=f"{shlex.quote(sys.executable)} -m orchestrator.controller.host "
-        f"--resident {services.this_node_id()}",
-        entrypoint_num_cpus=0,
-        metadata={"orchestrator_role": "controller-host"},
-    )  # fmt: skip
-    deadline = time.monotonic() + RESIDENT_START_S
-    while time.monotonic() < deadline and _running_host() is None:
-        if client.get_job_status(submission).is_terminal():
-            raise RuntimeError(f"the controller host's Ray job {submission} ended: "
-                               f"{client.get_job_info(submission).message}")  # fmt: skip
-        time.sleep(0.1)
+    for _ in range(2):  # a second time if the one waited on ended with its host (it was dying)
+        residents = [job for job in client.list_jobs()
+                     if (job.metadata or {}).get("orchestrator_role") == RESIDENT_ROLE]  # fmt: skip
+        live = [job.submission_id for job in residents if not job.status.is_terminal()]
+        submission = live[0] if live else f"{RESIDENT_PREFIX}{len(residents) + 1}"
+        if not live:
+            try:
+                client.submit_job(
+                    submission_id=submission,
+                    entrypoint=f"{shlex.quote(sys.executable)} -m orchestrator.controller.host "
+                    f"--resident {services.this_node_id()}",
+                    entrypoint_num_cpus=0,
+                    metadata={"orchestrator_role": RESIDENT_ROLE},
+                )  # fmt: skip
+            except Exception as e:
+                if "already exists" not in str(e):
+                    raise
+        deadline = time.monotonic() + RESIDENT_START_S
+        while time.monotonic() < deadline:
+            if _running_host() is not None:
+                return
+            if client.get_job_status(submission).is_terminal():
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"the controller host's Ray job {submission} started no host "
+                               f"in {RESIDENT_START_S:g} s")  # fmt: skip
+    raise RuntimeError(f"the controller host's Ray job {submission} ended: "
+                       f"{client.get_job_info(submission).message}")  # fmt: skip
 
 
 def resident(node_id: str) -> int:
