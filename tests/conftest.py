@@ -300,6 +300,14 @@ def eventually(predicate, what: str, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
+def host_jobs(client) -> list:
+    """The controller host's resident Ray jobs, running or ended (controller/host.py)."""
+    from orchestrator.controller.host import RESIDENT_ROLE
+
+    return [j for j in client.list_jobs()
+            if (j.metadata or {}).get("orchestrator_role") == RESIDENT_ROLE]  # fmt: skip
+
+
 def controller_host_up(dashboard_url: str) -> bool:
     """Whether the cluster's controller host runs, in a running resident Ray job of its own: a
     cluster's first Ray-job controller starts it, a few seconds after its own start
@@ -309,9 +317,8 @@ def controller_host_up(dashboard_url: str) -> bool:
 
     from orchestrator.actor_names import CONTROLLER_HOST
 
-    running = {j.job_id for j in JobSubmissionClient(dashboard_url).list_jobs()
-               if (j.metadata or {}).get("orchestrator_role") == "controller-host"
-               and j.status == JobStatus.RUNNING}  # fmt: skip
+    running = {j.job_id for j in host_jobs(JobSubmissionClient(dashboard_url))
+               if j.status == JobStatus.RUNNING}  # fmt: skip
     alive = [("name", "=", CONTROLLER_HOST), ("state", "=", "ALIVE")]
     hosts = list_actors(address=dashboard_url, filters=alive, raise_on_missing_output=False)
     return len(hosts) == 1 and hosts[0].job_id in running

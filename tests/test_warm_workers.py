@@ -9,7 +9,7 @@ import shlex
 import sys
 import time
 
-from conftest import controller_host_up, eventually, make_job
+from conftest import controller_host_up, eventually, host_jobs, make_job
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from orchestrator.actor_names import CONTROLLER_HOST, NAMESPACE
@@ -44,11 +44,6 @@ ray.kill(ray.get_actor({CONTROLLER_HOST!r}, namespace={NAMESPACE!r}))
 def agent_born(job) -> float:
     (line,) = [line for line in job.logs() if "AGENT-BORN" in line]
     return float(line.split("AGENT-BORN")[1])
-
-
-def host_jobs(client: JobSubmissionClient) -> list:
-    return [j for j in client.list_jobs()
-            if (j.metadata or {}).get("orchestrator_role") == "controller-host"]  # fmt: skip
 
 
 def test_the_next_hosted_jobs_agent_takes_a_worker_started_before_it_was_pushed(

@@ -30,7 +30,7 @@ from typing import Any, TextIO
 
 from orchestrator import actor_names, settings
 from orchestrator.agents import services
-from orchestrator.scheduler.launcher import HostedJob, HostTable
+from orchestrator.scheduler.launcher import HostedJob, HostTable, RayJobLauncher
 
 HOST_NAME = actor_names.CONTROLLER_HOST
 ENDED_KEPT = 1000  # how many ended controllers the host remembers (the service reads them)
@@ -263,14 +263,7 @@ def _start_resident() -> None:
     import shlex
     import sys
 
-    from ray.job_submission import JobSubmissionClient
-
-    from orchestrator import ray_private
-
-    address = ray_private.dashboard_address()
-    if not address:
-        raise RuntimeError("no dashboard (Job API) to start the controller host's Ray job")
-    client = JobSubmissionClient(address if "://" in address else f"http://{address}")
+    client = RayJobLauncher().client()  # the head's own Job API, as the queue service's
     for _ in range(2):  # a second time if the one waited on ended with its host (it was dying)
         residents = [job for job in client.list_jobs()
                      if (job.metadata or {}).get("orchestrator_role") == RESIDENT_ROLE]  # fmt: skip
