@@ -291,8 +291,10 @@ def print_host_overhead(address: str) -> None:
     not per job: controller/host.py), if one runs."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    from orchestrator.controller.host import RESIDENT_ROLE
+
     for job in JobSubmissionClient(address).list_jobs():
-        if (job.metadata or {}).get("orchestrator_role") == "controller-host" and (
+        if (job.metadata or {}).get("orchestrator_role") == RESIDENT_ROLE and (
             job.status == JobStatus.RUNNING
         ):
             print("\nthe controller host's resident Ray job, once per cluster:", end="")

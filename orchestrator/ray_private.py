@@ -107,10 +107,10 @@ def job_driver_place() -> tuple[str, str, str]:
     return agent, ray.get_runtime_context().get_node_id(), node.get_logs_dir_path()
 
 
-def prestart_workers(node_id: str, job_id: str, runtime_env: str, count: int, keep_s: int) -> None:
-    """Have the raylet of `node_id` start `count` idle workers of Ray job `job_id` (hex), with
-    `runtime_env` (serialized, as the job's actors have it), kept `keep_s` seconds: the
-    raylet's `PrestartWorkers` gRPC call, which Ray's Python API does not offer."""
+def prestart_workers(raylet: str, job_id: str, runtime_env: str, count: int, keep_s: int) -> None:
+    """Have the raylet at `raylet` (host:port) start `count` idle workers of Ray job `job_id`
+    (hex), with `runtime_env` (serialized, as the job's actors have it), kept `keep_s` seconds:
+    the raylet's `PrestartWorkers` gRPC call, which Ray's Python API does not offer."""
     import ray
 
     try:
@@ -122,13 +122,9 @@ def prestart_workers(node_id: str, job_id: str, runtime_env: str, count: int, ke
             f"this Ray ({ray.__version__}) has no raylet PrestartWorkers call, which "
             "orchestrator uses; install the Ray version orchestrator's pyproject.toml pins"
         ) from None
-    node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]), None)
-    if node is None:
-        return
-    address = f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}"
-    if address not in _raylets:
-        _raylets[address] = node_manager_pb2_grpc.NodeManagerServiceStub(init_grpc_channel(address))
-    _raylets[address].PrestartWorkers(
+    if raylet not in _raylets:
+        _raylets[raylet] = node_manager_pb2_grpc.NodeManagerServiceStub(init_grpc_channel(raylet))
+    _raylets[raylet].PrestartWorkers(
         node_manager_pb2.PrestartWorkersRequest(
             language=common_pb2.Language.PYTHON, job_id=bytes.fromhex(job_id),
             runtime_env_info=RuntimeEnvInfo(serialized_runtime_env=runtime_env),

@@ -34,6 +34,10 @@ agent = next(p for p in psutil.Process().parents() if "NodeAgent" in " ".join(p.
 print("AGENT-BORN", agent.create_time(), flush=True)
 """
 
+# The same, then a second more: the job before the measured one runs long enough for the
+# host to have asked for its successor's worker (it asks once the commands started).
+AGENT_BORN_THEN_A_SECOND = AGENT_BORN + "import time\ntime.sleep(1)\n"
+
 KILL = f"""
 import ray
 ray.init(address="auto")
@@ -58,7 +62,8 @@ def test_the_next_hosted_jobs_agent_takes_a_worker_started_before_it_was_pushed(
     # A hosted job's agent, then the next one: its worker was started while the one before ran.
     for i in range(2):
         pushed_at = time.time()
-        job = push(make_job(tmp_path / f"next{i}", JOB, {"run.py": AGENT_BORN}), storage_root=root)
+        files = {"run.py": AGENT_BORN_THEN_A_SECOND}
+        job = push(make_job(tmp_path / f"next{i}", JOB, files), storage_root=root)
         assert job.wait(timeout=120) == JobState.COMPLETED, job.logs()
     assert agent_born(job) < pushed_at, "the agent's worker started after the job was pushed"
 

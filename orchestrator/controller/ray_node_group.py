@@ -278,7 +278,7 @@ class RayNodeGroup:
         nodes, for the next job's (warm_workers.py); asked once its commands were started, in
         a thread of its own, so that neither this job's start nor its controller waits on it."""
         try:
-            nodes = self.placed_nodes()
+            nodes, live = self.placed_nodes(), _live_nodes()
         except Exception:  # its placement group is gone already: nothing to warm for
             return
         wanted = [] if use_image_uri() else list(nodes)  # an agent in an image: its own env
@@ -286,7 +286,7 @@ class RayNodeGroup:
             wanted += nodes
         if self.rendezvous is not None:
             wanted.append(nodes[0])
-        warm_workers.after_start(wanted)
+        warm_workers.after_start([_raylet_address(live[node]) for node in wanted if node in live])
 
     def _follow(self, stream: Any, run: RankRun, on_lines: Callable[[list[str]], None]) -> None:
         held = ""  # a long line's pieces so far (OutputLines.continues)
@@ -500,6 +500,11 @@ def _live_nodes() -> dict[str, dict[str, Any]]:
 
 def _alive_nodes() -> set[str]:
     return set(_live_nodes())
+
+
+def _raylet_address(node: dict[str, Any]) -> str:
+    """The node's raylet, host:port, from its `ray.nodes()` entry."""
+    return f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}"
 
 
 def _raylet_answers(node: dict[str, Any]) -> bool:

@@ -35,15 +35,16 @@ class WarmWorkers:
         self._live_at = -LIVE_CHECK_S
         self._live = False
 
-    def after_start(self, node_ids: list[str]) -> None:
-        """A job's agents were placed on `node_ids` (one entry each): a worker each, again."""
-        if not node_ids or not self._job_lives():
+    def after_start(self, raylets: list[str]) -> None:
+        """A job's actors were placed on the nodes of these raylets (host:port, one entry
+        each): a worker each, again."""
+        if not raylets or not self._job_lives():
             return
         from orchestrator import ray_private
 
-        for node_id, count in collections.Counter(node_ids).items():
+        for raylet, count in collections.Counter(raylets).items():
             try:
-                ray_private.prestart_workers(node_id, self.job_id, self.runtime_env, count, KEEP_S)
+                ray_private.prestart_workers(raylet, self.job_id, self.runtime_env, count, KEEP_S)
             except Exception:  # a node gone or a raylet busy: that job's agent starts cold
                 traceback.print_exc()
 
@@ -78,7 +79,7 @@ def is_on() -> bool:
     return _current is not None
 
 
-def after_start(node_ids: list[str]) -> None:
-    """Called when a job's node agents were asked for; nothing unless this is a warm host."""
+def after_start(raylets: list[str]) -> None:
+    """Called once a job's commands started; nothing unless this is a warm host."""
     if _current is not None:
-        _current.after_start(node_ids)
+        _current.after_start(raylets)
