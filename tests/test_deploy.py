@@ -18,7 +18,7 @@ import openai
 import pexpect
 import pytest
 import yaml
-from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE
+from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, eventually
 from ray.serve.schema import ServeDeploySchema
 from ray.util.state import list_actors, list_placement_groups
 from recipe_serving import greedy, trained_recipe
@@ -128,11 +128,20 @@ def test_deployments_are_listed_and_stopping_leaves_nothing(trained, ray_cluster
     ]  # fmt: skip
     assert all(d["status"] == "RUNNING" and d["replicas"] == 1 for d in by_name.values())
 
+    # Their replicas downloaded the checkpoints to the node (truss's default download_folder).
+    staged = Path("/tmp/training_checkpoints") / job.id / "rank-0"
+    assert {p.name for p in staged.iterdir()} == {
+        "checkpoint-30", "checkpoint-0", "lora-checkpoint-30"
+    }  # fmt: skip
     stopped = cli("deployments", "stop", "tiny-full")
     assert stopped.returncode == 0, stopped.stderr
     assert [d.name for d in list_deployments()] == ["tiny-lora"]
+    # Its copy left the node's disk with its replica; tiny-lora's are still loaded.
+    eventually(lambda: {p.name for p in staged.iterdir()} == {"checkpoint-0", "lora-checkpoint-30"},
+               "tiny-full's checkpoint removed from the node")  # fmt: skip
     stop_deployment("tiny-lora", storage_root=trained[1])  # the last one: Serve itself goes
     assert list_deployments() == []
+    eventually(lambda: not staged.parent.exists(), "every downloaded checkpoint removed")
     # The audit trail: each deployment made, and each stop (the CLI's went to its default root).
     made = [(e.target, e.result, e.job) for e in events(storage_root=trained[1])
             if e.verb == "deploy"]  # fmt: skip

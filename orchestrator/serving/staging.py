@@ -2,16 +2,23 @@
 
 Checkpoints are downloaded from the storage root (each file checked against its manifest) into
 `download_folder/<job>/rank-<r>/<name>/v<version>`, so replicas on one node share a copy and a
-newer upload of the same name is never mistaken for it.
+newer upload of the same name is never mistaken for it. Each replica holds the copies it
+loaded (a marker `.<copy>.users/<pid>-<token>` beside each) and lets go of them when Serve
+stops it (`release`, from the replica's `__del__`): the last holder on the node removes the
+copy, so a stopped deployment leaves no checkpoints on the node's disk. A marker whose process
+is gone (a replica that crashed) holds nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +37,16 @@ class StagedModel:
 
     model_dir: str  # a directory, or a Hugging Face repo id (`hf_repo` bases)
     adapters: dict[str, Path] = field(default_factory=dict)
+    held: tuple[Holding, ...] = ()  # the copies this replica downloaded or shares
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One replica's hold on one downloaded copy (`release` lets go)."""
+
+    copy: Path
+    marker: Path
+    folder: Path  # download_folder: the directories between it and the copy are ours
 
 
 def set_environment(model: ServedModel) -> None:
@@ -43,20 +60,48 @@ def stage(model: ServedModel) -> StagedModel:
     """Everything the engine loads, local (downloaded once per node)."""
     root = StorageRoot(model.storage_root)
     folder = Path(model.download_folder)
-    if model.full is not None:
-        model_dir = str(download_checkpoint(root, model.full, folder))
-    elif model.base is not None:
-        model_dir = _base_model(root, model.base, folder)
-    else:
-        raise StagingError(f"{model.name}: neither a full checkpoint nor a base model to serve")
-    adapters = {
-        model.adapter_id(name): download_checkpoint(root, ckpt, folder)
-        for name, ckpt in model.adapters.items()
-    }
-    return StagedModel(model_dir, adapters)
+    held: list[Holding] = []
+    try:
+        if model.full is not None:
+            model_dir = str(download_checkpoint(root, model.full, folder, held))
+        elif model.base is not None:
+            model_dir = _base_model(root, model.base, folder, held)
+        else:
+            raise StagingError(f"{model.name}: neither a full checkpoint nor a base model to serve")
+        adapters = {
+            model.adapter_id(name): download_checkpoint(root, ckpt, folder, held)
+            for name, ckpt in model.adapters.items()
+        }
+    except BaseException:
+        release(held)  # a replica that failed to start holds nothing
+        raise
+    return StagedModel(model_dir, adapters, tuple(held))
 
 
-def download_checkpoint(root: StorageRoot, ckpt: StoredCheckpoint, folder: Path) -> Path:
+def release(held: list[Holding] | tuple[Holding, ...]) -> None:
+    """Let go of these copies; one no live replica holds any more is removed, with the
+    directories above it that it leaves empty (up to `download_folder`)."""
+    for holding in held:
+        with _locked(holding.folder):
+            holding.marker.unlink(missing_ok=True)
+            users = _users(holding.copy)
+            with contextlib.suppress(OSError):
+                if any(_alive(marker) for marker in users.iterdir()):
+                    continue
+            shutil.rmtree(holding.copy, ignore_errors=True)
+            shutil.rmtree(users, ignore_errors=True)
+            parent = holding.copy.parent
+            while parent != holding.folder and holding.folder in parent.parents:
+                try:
+                    parent.rmdir()  # job/rank-r/name above a checkpoint's v<n>, while empty
+                except OSError:
+                    break
+                parent = parent.parent
+
+
+def download_checkpoint(
+    root: StorageRoot, ckpt: StoredCheckpoint, folder: Path, held: list[Holding]
+) -> Path:
     manifest = CheckpointStore(root).manifest(ckpt.project_id, ckpt.job_id, ckpt.rank, ckpt.name)
     if manifest is None:
         raise StagingError(f"checkpoint {ckpt.key} is not in the storage root {root.url}")
@@ -67,12 +112,12 @@ def download_checkpoint(root: StorageRoot, ckpt: StoredCheckpoint, folder: Path)
     def fetch(tmp: Path) -> None:
         CheckpointStore(root).download(manifest, tmp)
 
-    return _once(dest, fetch)
+    return _once(dest, fetch, held, folder)
 
 
-def _base_model(root: StorageRoot, base: BaseModelSource, folder: Path) -> str:
+def _base_model(root: StorageRoot, base: BaseModelSource, folder: Path, held: list[Holding]) -> str:
     if base.checkpoint is not None:
-        return str(download_checkpoint(root, base.checkpoint, folder))
+        return str(download_checkpoint(root, base.checkpoint, folder, held))
     if base.weights is not None:
         spec = WeightsSource.model_validate(base.weights)
         secret = resolve_secret(spec.auth_secret_name) if spec.auth_secret_name else None
@@ -84,7 +129,7 @@ def _base_model(root: StorageRoot, base: BaseModelSource, folder: Path) -> str:
             for f in source.files():
                 source.fetch(f.path, tmp / f.path)
 
-        return str(_once(folder / "base-models" / digest, fetch))
+        return str(_once(folder / "base-models" / digest, fetch, held, folder))
     if base.path is not None:
         if not Path(base.path, "config.json").is_file():
             raise StagingError(
@@ -96,11 +141,19 @@ def _base_model(root: StorageRoot, base: BaseModelSource, folder: Path) -> str:
     return base.hf_repo
 
 
-def _once(dest: Path, fetch: Callable[[Path], None]) -> Path:
-    """`dest`, filled by `fetch(tmp)` into a sibling and renamed into place, unless it is there."""
+def _once(dest: Path, fetch: Callable[[Path], None], held: list[Holding], folder: Path) -> Path:
+    """`dest`, filled by `fetch(tmp)` into a sibling and renamed into place, unless it is there;
+    held by this replica before it is looked for, so no other replica's `release` removes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        users = _users(dest)
+        users.mkdir(exist_ok=True)
+        marker = users / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        marker.touch()
+    held.append(Holding(dest, marker, folder))
     if dest.is_dir():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         fetch(tmp)
@@ -116,3 +169,32 @@ def _once(dest: Path, fetch: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """The replicas of this node one at a time, while they take or let go of copies in
+    `folder` (a lock file there, never removed: a waiter would hold a deleted one)."""
+    with open(folder / ".staging.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _users(copy: Path) -> Path:
+    return copy.with_name(f".{copy.name}.users")
+
+
+def _alive(marker: Path) -> bool:
+    """A marker's process still runs (its pid, the name's first part)."""
+    try:
+        os.kill(int(marker.name.split("-", 1)[0]), 0)
+    except ValueError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    except ProcessLookupError:
+        return False
+    return True

@@ -2,7 +2,8 @@
 
 The replica sets the deployment's variables (secrets resolved here, on the serving node),
 downloads its checkpoints from the storage root, then loads them; Serve reports it ready only
-after that, so a deployment that answers has its model loaded.
+after that, so a deployment that answers has its model loaded. Stopped, it lets go of the
+downloaded copies, and the node's last replica using one removes it (staging.py).
 
 No `from __future__ import annotations` here: FastAPI must see `Request` itself in the
 signatures of the ingress methods Serve wraps, not a string it resolves elsewhere.
@@ -18,7 +19,7 @@ from starlette.responses import Response
 
 from orchestrator.serving import openai_api
 from orchestrator.serving.served_model import ServedModel
-from orchestrator.serving.staging import set_environment, stage
+from orchestrator.serving.staging import release, set_environment, stage
 
 api = FastAPI(title="orchestrator: OpenAI-compatible API")
 openai_api.install_error_handlers(api)
@@ -38,8 +39,21 @@ class TransformersServer:
 
         served = ServedModel.model_validate(model)
         set_environment(served)
-        staged = stage(served)
-        self.engine = TransformersEngine(served.name, staged.model_dir, staged.adapters)
+        self.staged = stage(served)
+        try:
+            self.engine = TransformersEngine(
+                served.name, self.staged.model_dir, self.staged.adapters
+            )
+        except BaseException:
+            release(self.staged.held)  # a replica that could not load holds nothing
+            del self.staged
+            raise
+
+    def __del__(self) -> None:
+        """Serve calls this as it stops the replica: its copies leave the node's disk."""
+        staged, self.staged = getattr(self, "staged", None), None  # once: GC may call it again
+        if staged is not None:
+            release(staged.held)
 
     @api.get("/v1/models")
     async def models(self) -> Response:
