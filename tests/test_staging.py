@@ -4,6 +4,7 @@ holding copies as a replica's constructor and `__del__` do."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -48,10 +49,21 @@ def test_a_replica_that_crashed_holds_nothing(tmp_path):
     copy, crashed = hold(folder)
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid no process has now
-    crashed.marker.rename(crashed.marker.with_name(f"{gone.pid}-deadbeef"))
+    crashed.marker.rename(crashed.marker.with_name(f"{gone.pid}-deadbeef@{socket.gethostname()}"))
     _, survivor = hold(folder)
     release([survivor])
     assert not copy.exists()
+
+
+def test_a_replica_on_another_node_sharing_the_folder_keeps_the_copy(tmp_path):
+    """A download_folder on a filesystem several nodes share: a process of another host cannot
+    be asked whether it lives, so its hold counts."""
+    folder = tmp_path / "training_checkpoints"
+    copy, elsewhere = hold(folder)
+    elsewhere.marker.rename(elsewhere.marker.with_name("4242-0badc0de@another-node"))
+    _, here = hold(folder)
+    release([here])
+    assert (copy / "model.safetensors").exists()
 
 
 def test_a_download_that_fails_leaves_nothing_once_let_go(tmp_path):

@@ -3,7 +3,7 @@
 Checkpoints are downloaded from the storage root (each file checked against its manifest) into
 `download_folder/<job>/rank-<r>/<name>/v<version>`, so replicas on one node share a copy and a
 newer upload of the same name is never mistaken for it. Each replica holds the copies it
-loaded (a marker `.<copy>.users/<pid>-<token>` beside each) and lets go of them when Serve
+loaded (a marker `.<copy>.users/<pid>-<token>@<host>` beside each) and lets go of them when Serve
 stops it (`release`, from the replica's `__del__`): the last holder on the node removes the
 copy, so a stopped deployment leaves no checkpoints on the node's disk. A marker whose process
 is gone (a replica that crashed) holds nothing.
@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -149,7 +150,7 @@ def _once(dest: Path, fetch: Callable[[Path], None], held: list[Holding], folder
         dest.parent.mkdir(parents=True, exist_ok=True)
         users = _users(dest)
         users.mkdir(exist_ok=True)
-        marker = users / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        marker = users / f"{os.getpid()}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
         marker.touch()
     held.append(Holding(dest, marker, folder))
     if dest.is_dir():
@@ -188,9 +189,15 @@ def _users(copy: Path) -> Path:
 
 
 def _alive(marker: Path) -> bool:
-    """A marker's process still runs (its pid, the name's first part)."""
+    """A marker's process still runs: `<pid>-<token>@<host>`. One of another host (a
+    download_folder on a filesystem several nodes share) is taken as alive: it cannot be asked."""
+    head, at, host = marker.name.rpartition("@")
+    if not at:
+        return False  # not a marker of ours
+    if host != socket.gethostname():
+        return True
     try:
-        os.kill(int(marker.name.split("-", 1)[0]), 0)
+        os.kill(int(head.partition("-")[0]), 0)
     except ValueError:
         return False
     except PermissionError:
