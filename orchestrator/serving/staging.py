@@ -83,14 +83,18 @@ def release(held: list[Holding] | tuple[Holding, ...]) -> None:
     """Let go of these copies; one no live replica holds any more is removed, with the
     directories above it that it leaves empty (up to `download_folder`)."""
     for holding in held:
+        gone = holding.copy.with_name(f".{holding.copy.name}.gone-{uuid.uuid4().hex[:8]}")
         with _locked(holding.folder):
             holding.marker.unlink(missing_ok=True)
             users = _users(holding.copy)
             with contextlib.suppress(OSError):
                 if any(_alive(marker) for marker in users.iterdir()):
                     continue
-            shutil.rmtree(holding.copy, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                holding.copy.rename(gone)  # out of the way at once; deleted unlocked below
             shutil.rmtree(users, ignore_errors=True)
+        shutil.rmtree(gone, ignore_errors=True)  # gigabytes, maybe: other replicas go on
+        with _locked(holding.folder):
             parent = holding.copy.parent
             while parent != holding.folder and holding.folder in parent.parents:
                 try:
