@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import StagingError
-from orchestrator.serving.staging import Holding, _once, release
+from orchestrator.serving.served_model import BaseModelSource, ServedModel
+from orchestrator.serving.staging import Holding, _once, release, stage
 
 
 def hold(folder: Path, name: str = "checkpoint-30", job: str = "j1") -> tuple[Path, Holding]:
@@ -53,6 +54,34 @@ def test_a_replica_that_crashed_holds_nothing(tmp_path):
     _, survivor = hold(folder)
     release([survivor])
     assert not copy.exists()
+
+
+def test_a_crashed_replicas_copy_goes_when_the_next_replica_is_staged_on_the_node(tmp_path):
+    """No replica of that copy left to let go of it: the next deployment staged on the node
+    (any copy) sweeps it; copies live replicas hold stay, and so does a copy it cannot judge."""
+    folder = tmp_path / "training_checkpoints"
+    _, crashed = hold(folder, job="j1")
+    crashed_base: list[Holding] = []
+    base = _once(folder / "base-models" / "0f1e2d3c", lambda tmp: None, crashed_base, folder)
+    live_copy, _live = hold(folder, job="j2")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for marker in (crashed.marker, crashed_base[0].marker):
+        marker.rename(marker.with_name(f"{gone.pid}-deadbeef@{socket.gethostname()}"))
+    foreign = folder / "j3" / "rank-0" / "checkpoint-1" / "v0"  # not made here: no holders kept
+    foreign.mkdir(parents=True)
+
+    another = ServedModel(
+        name="next",
+        engine="transformers",
+        storage_root=str(tmp_path / "root"),
+        download_folder=str(folder),
+        base=BaseModelSource(hf_repo="org/tiny"),
+    )
+    assert stage(another).model_dir == "org/tiny"  # loaded by the engine: nothing to download
+    assert not (folder / "j1").exists() and not base.exists()
+    assert (live_copy / "model.safetensors").exists()
+    assert foreign.is_dir()
 
 
 def test_a_replica_on_another_node_sharing_the_folder_keeps_the_copy(tmp_path):

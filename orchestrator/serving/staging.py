@@ -6,7 +6,8 @@ newer upload of the same name is never mistaken for it. Each replica holds the c
 loaded (a marker `.<copy>.users/<pid>-<token>@<host>` beside each) and lets go of them when Serve
 stops it (`release`, from the replica's `__del__`): the last holder on the node removes the
 copy, so a stopped deployment leaves no checkpoints on the node's disk. A marker whose process
-is gone (a replica that crashed) holds nothing.
+is gone (a replica that crashed) holds nothing: the next replica staged on the node removes what
+only such markers held (`sweep`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def stage(model: ServedModel) -> StagedModel:
     root = StorageRoot(model.storage_root)
     folder = Path(model.download_folder)
     held: list[Holding] = []
+    sweep(folder)
     try:
         if model.full is not None:
             model_dir = str(download_checkpoint(root, model.full, folder, held))
@@ -83,25 +85,39 @@ def release(held: list[Holding] | tuple[Holding, ...]) -> None:
     """Let go of these copies; one no live replica holds any more is removed, with the
     directories above it that it leaves empty (up to `download_folder`)."""
     for holding in held:
-        gone = holding.copy.with_name(f".{holding.copy.name}.gone-{uuid.uuid4().hex[:8]}")
         with _locked(holding.folder):
             holding.marker.unlink(missing_ok=True)
-            users = _users(holding.copy)
-            with contextlib.suppress(OSError):
-                if any(_alive(marker) for marker in users.iterdir()):
-                    continue
-            with contextlib.suppress(OSError):
-                holding.copy.rename(gone)  # out of the way at once; deleted unlocked below
-            shutil.rmtree(users, ignore_errors=True)
-        shutil.rmtree(gone, ignore_errors=True)  # gigabytes, maybe: other replicas go on
-        with _locked(holding.folder):
-            parent = holding.copy.parent
-            while parent != holding.folder and holding.folder in parent.parents:
-                try:
-                    parent.rmdir()  # job/rank-r/name above a checkpoint's v<n>, while empty
-                except OSError:
-                    break
-                parent = parent.parent
+        _remove_unless_held(holding.copy, holding.folder)
+
+
+def sweep(folder: Path) -> None:
+    """Remove the copies in `folder` that only replicas now gone held: one that crashed never
+    let go. Called as a replica stages, so a node's disk does not keep them for good."""
+    if not folder.is_dir():
+        return
+    for users in [*folder.glob("*/rank-*/*/.*.users"), *folder.glob("base-models/.*.users")]:
+        _remove_unless_held(users.with_name(users.name[1 : -len(".users")]), folder)
+
+
+def _remove_unless_held(copy: Path, folder: Path) -> None:
+    gone = copy.with_name(f".{copy.name}.gone-{uuid.uuid4().hex[:8]}")
+    with _locked(folder):
+        users = _users(copy)
+        with contextlib.suppress(OSError):
+            if any(_alive(marker) for marker in users.iterdir()):
+                return
+        with contextlib.suppress(OSError):
+            copy.rename(gone)  # out of the way at once; deleted unlocked below
+        shutil.rmtree(users, ignore_errors=True)
+    shutil.rmtree(gone, ignore_errors=True)  # gigabytes, maybe: other replicas go on
+    with _locked(folder):
+        parent = copy.parent
+        while parent != folder and folder in parent.parents:
+            try:
+                parent.rmdir()  # job/rank-r/name above a checkpoint's v<n>, while empty
+            except OSError:
+                break
+            parent = parent.parent
 
 
 def download_checkpoint(
