@@ -258,8 +258,8 @@ def _start_resident() -> None:
 
     Several controllers may ask at once (every Ray-job controller started while no host ran):
     one that finds a resident job not ended waits for its host, and the submission ids are
-    numbered (`orchestrator-controller-host-<n>`, one more than the resident jobs so far), so
-    two that count the same submit one job: the Job API refuses a second with that id."""
+    numbered (`next_resident_id`), so two that see the same jobs submit one: the Job API
+    refuses a second with that id."""
     import shlex
     import sys
 
@@ -268,7 +268,7 @@ def _start_resident() -> None:
         residents = [job for job in client.list_jobs()
                      if (job.metadata or {}).get("orchestrator_role") == RESIDENT_ROLE]  # fmt: skip
         live = [job.submission_id for job in residents if not job.status.is_terminal()]
-        submission = live[0] if live else f"{RESIDENT_PREFIX}{len(residents) + 1}"
+        submission = live[0] if live else next_resident_id([j.submission_id for j in residents])
         if not live:
             try:
                 client.submit_job(
@@ -293,6 +293,14 @@ def _start_resident() -> None:
                                f"in {RESIDENT_START_S:g} s")  # fmt: skip
     raise RuntimeError(f"the controller host's Ray job {submission} ended: "
                        f"{client.get_job_info(submission).message}")  # fmt: skip
+
+
+def next_resident_id(submitted: list[str | None]) -> str:
+    """One past the highest number among the resident jobs Ray lists: not their count, which a
+    `ray job delete` of an ended one lowers to a number still in use."""
+    numbers = [int(tail) for s in submitted if s and s.startswith(RESIDENT_PREFIX)
+               if (tail := s.removeprefix(RESIDENT_PREFIX)).isdigit()]  # fmt: skip
+    return f"{RESIDENT_PREFIX}{max(numbers, default=0) + 1}"
 
 
 def resident(node_id: str) -> int:
