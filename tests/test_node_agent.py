@@ -12,17 +12,19 @@ from pathlib import Path
 
 import psutil
 
-from orchestrator.agents.messages import CommandsEnded, OutputLines, StartRequest
+from orchestrator.agents.messages import CommandsEnded, OutputLines
 from orchestrator.agents.node_agent import NodeAgent
+from orchestrator.agents.rank_program import CommandsProgram, StartRequest
 
 
 def start(commands: list[str], cwd: Path | str, secrets=None, env=None) -> StartRequest:
-    return StartRequest(tuple(commands), env or {}, secrets or {}, str(cwd), gpus_per_node=0)
+    program = CommandsProgram(tuple(commands))
+    return StartRequest(program, env or {}, secrets or {}, str(cwd), gpus_per_node=0)
 
 
 def run(agent: NodeAgent, commands: list[str], cwd: Path, secrets=None, env=None):
     lines, result = [], None
-    for item in agent.run_commands(start(commands, cwd, secrets, env)):
+    for item in agent.run_program(start(commands, cwd, secrets, env)):
         if isinstance(item, OutputLines):
             lines += item.lines
         else:
@@ -81,7 +83,7 @@ def test_secrets_are_resolved_masked_and_the_only_ones_visible(tmp_path, monkeyp
 def test_stop_reaches_every_process_of_the_command(tmp_path):
     agent = NodeAgent("j", 0, str(tmp_path / "storage"))
     script = "sleep 300 & echo child $!; sleep 300"
-    stream = agent.run_commands(start([script], tmp_path))
+    stream = agent.run_program(start([script], tmp_path))
     item = next(stream)
     while not isinstance(item, OutputLines):
         item = next(stream)
@@ -95,11 +97,12 @@ def test_stop_reaches_every_process_of_the_command(tmp_path):
 
 AGENT_SCRIPT = """
 import sys
-from orchestrator.agents.messages import StartRequest
 from orchestrator.agents.node_agent import NodeAgent
+from orchestrator.agents.rank_program import CommandsProgram, StartRequest
 agent = NodeAgent("j", 0, sys.argv[1])
-request = StartRequest(("sleep 300 & echo pid $!; wait",), {}, {}, sys.argv[1], gpus_per_node=0)
-for item in agent.run_commands(request):
+program = CommandsProgram(("sleep 300 & echo pid $!; wait",))
+request = StartRequest(program, {}, {}, sys.argv[1], gpus_per_node=0)
+for item in agent.run_program(request):
     print(getattr(item, "lines", item), flush=True)
 """
 

@@ -7,7 +7,6 @@ tuples: a misspelt field is an error where it is written, not a KeyError in a wo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from orchestrator.storage.checkpoints import Manifest
 from orchestrator.storage.records import (
@@ -156,20 +155,6 @@ class ContainerRequest:
     image: str
     memory_bytes: int | None = None
     cpus: float | None = None
-
-
-@dataclass(frozen=True)
-class StartRequest:
-    """One rank's commands and what they run with."""
-
-    commands: tuple[str, ...]
-    env: dict[str, str]
-    secrets: dict[str, str]  # env var -> secret name, resolved on the node
-    cwd: str
-    gpus_per_node: int
-    rendezvous: Any = None  # the job's Rendezvous actor; None for a group of one
-    metrics: MetricsRequest | None = None
-    container: ContainerRequest | None = None  # None: on the host, in the node's environment
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ from orchestrator.agents.messages import (
     PreparedNode,
     PrepareRequest,
     ShellResult,
-    StartRequest,
 )
 from orchestrator.agents.node_preparer import NodePreparer
+from orchestrator.agents.rank_program import RankContext, StartRequest
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.node.node_root import RankDirs
@@ -64,7 +64,7 @@ uploader_name = actor_names.checkpoint_uploader
 
 
 class NodeAgent:
-    """A Ray actor (threaded, so `stop` can run while `run_commands` streams)."""
+    """A Ray actor (threaded, so `stop` can run while `run_program` streams)."""
 
     def __init__(self, job_id: str, rank: int, storage_root: str, team: str | None = None) -> None:
         self.job_id, self.rank, self.team = job_id, rank, team
@@ -103,8 +103,9 @@ class NodeAgent:
         """The lines of the image's pull `prepare` makes, as they come, until it ends."""
         yield from self.preparer.pull_lines()
 
-    def run_commands(self, request: StartRequest) -> Iterator[OutputLines | CommandsEnded]:
-        """Join the group, then run the commands in order through a shell, stopping at a failure.
+    def run_program(self, request: StartRequest) -> Iterator[OutputLines | CommandsEnded]:
+        """Join the group, then run the rank's program (agents/rank_program.py) in the job's
+        environment: its commands, for most jobs, stopping at a failure.
 
         Yields OutputLines as output arrives and finally CommandsEnded. `request.secrets` maps
         env var names to secret names, resolved here and masked in every line.
@@ -140,11 +141,12 @@ class NodeAgent:
                 self._start_sampling(request.metrics)
             except Exception as e:  # the job runs on without its samples, saying why
                 yield OutputLines([self._tag(f"resource sampling did not start: {e!r}")])
+        context = RankContext(
+            rank=self.rank, env=full_env, cwd=request.cwd, mask=mask, runner=self.runner,
+            container=container, before_end=self._end_sampling, tag=self._tag,
+        )  # fmt: skip
         try:
-            yield from self.runner.run(
-                request.commands, full_env, request.cwd, mask, before_end=self._end_sampling,
-                container=container,
-            )  # fmt: skip
+            yield from request.program.run(context)
         finally:
             self._end_sampling()  # a closed stream (otherwise it ended before the ending was said)
 

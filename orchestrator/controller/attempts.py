@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass
 
 from orchestrator import settings
-from orchestrator.agents.messages import ContainerRequest, MetricsRequest, StartRequest
+from orchestrator.agents.messages import MetricsRequest
+from orchestrator.agents.rank_program import StartRequest, program_for
+from orchestrator.agents.runtimes import runtime_for
 from orchestrator.controller.checkpointing import RestoreFailed, Uploaders
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.failure_policy import (
@@ -141,15 +143,11 @@ class Attempts:
             for var, ref in job.runtime.environment_variables.items()
             if isinstance(ref, SecretReference)
         }
-        container = None
-        if settings.JOB_RUNTIME.get() == "container":
-            container = ContainerRequest(
-                image=job.image.base_image, memory_bytes=job.compute.memory_bytes,
-                cpus=job.compute.cpu_count,
-            )  # fmt: skip
+        container = runtime_for(job).container_request()
+        program = program_for(job)
         return [
             StartRequest(
-                commands=tuple(job.runtime.start_commands),
+                program=program,
                 env=job_environment(record, node, number),
                 secrets=secrets,
                 cwd=workdir(node, record.archive.config_dir),

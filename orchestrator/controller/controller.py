@@ -17,8 +17,8 @@ from typing import Any, TextIO
 
 import ray
 
-from orchestrator import settings
 from orchestrator.agents.messages import PreparedNode
+from orchestrator.agents.runtimes import runtime_for
 from orchestrator.agents.secret_service import start_secret_service
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.controller.attempts import (
@@ -32,7 +32,7 @@ from orchestrator.controller.deployment import DeployFailed, Deployment
 from orchestrator.controller.job_run import JobRun, JobStopped, StorageLost
 from orchestrator.controller.node_group import NodeGroup, short_error
 from orchestrator.controller.queueing import JobQueue, RayJobQueue
-from orchestrator.controller.ray_node_group import IMAGE_URI_ENV, RayNodeGroup, use_image_uri
+from orchestrator.controller.ray_node_group import RayNodeGroup
 from orchestrator.controller.session import hold_until, requested_until
 from orchestrator.controller.training_cache import write_back_line
 from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, OUTCOME_NOT_STORED_EXIT, JobState
@@ -40,7 +40,7 @@ from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import CacheStatus, Failure, JobRecord, JobStatus
 from orchestrator.storage.retry import ON_ERROR_ENV, StorageRetry
 
-__all__ = ["IMAGE_URI_ENV", "JobController", "run_controller", "use_image_uri"]
+__all__ = ["JobController", "run_controller"]
 
 WRITE_BACK_S = 600.0
 STOP_FLUSH_S = 40.0  # within the 60 s RAY_JOB_STOP_WAIT_TIME_S, after the commands' grace
@@ -74,6 +74,7 @@ class JobController:
         outage_s = self.record.storage.outage_s
         store.root.retry = StorageRetry(store.root.url, outage_s, say=self.job_run.say)
         self.unstored: list[str] = []  # what could not be stored when the job ended
+        self.runtime = runtime_for(self.record.spec.job)
         self.node_group = node_group
         self._nodes: NodeGroup = node_group(self.record, self.job_run.say)
         self.queue: JobQueue = queue(self.record, self.job_run.say)
@@ -95,9 +96,9 @@ class JobController:
         if run.status.state.is_terminal:
             run.say(f"job already ended {run.status.state.value}; nothing to do")
             return run.status.state
-        run.say(self._image_notice())
+        run.say(self.runtime.notice())
         try:
-            if problem := self._runtime_problem():
+            if problem := self.runtime.problem():
                 raise DeployFailed(Failure(cause=problem))
             if self.record.spec.job.secret_references():
                 start_secret_service()  # on this node, the head: where `secrets set` writes
@@ -131,36 +132,6 @@ class JobController:
             self.deployment.leave_queue()
             self.unstored = run.close()
         return run.status.state
-
-    def _image_notice(self) -> str:
-        image = self.record.spec.job.image.base_image
-        if settings.JOB_RUNTIME.get() == "container":
-            return f"image {image}: each rank's commands run in a container of it (podman)"
-        if use_image_uri():
-            return f"image {image}: each node runs the job in that container (Ray image_uri)"
-        return (
-            f"image {image} is recorded; this cluster runs jobs in each node's own environment, "
-            "as trusted code: their commands can reach the cluster and read what Ray's user can "
-            f"on the node (set {settings.JOB_RUNTIME.name}=container on a cluster with podman "
-            "to run them in the image; docs/secrets.md)"
-        )
-
-    def _runtime_problem(self) -> str | None:
-        """What the container runtime cannot do yet, said before anything is placed."""
-        if settings.JOB_RUNTIME.get() != "container":
-            return None
-        job = self.record.spec.job
-        if use_image_uri():
-            return (f"{settings.JOB_RUNTIME.name}=container and {IMAGE_URI_ENV}=1 are both set "
-                    "on this cluster: choose one")  # fmt: skip
-        auth = job.image.docker_auth
-        if auth is not None and auth.registry_secret_docker_auth is None:
-            method = getattr(auth.auth_method, "value", auth.auth_method)
-            return (f"image.docker_auth with auth_method {method} is not "
-                    "supported in containers yet: use REGISTRY_SECRET (a secret holding "
-                    "username:password for the registry), or an image the nodes can pull "
-                    "without credentials")  # fmt: skip
-        return None
 
     # --- the port its attempts drive (run_port.RunPort) --------------------------------------
 

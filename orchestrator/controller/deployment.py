@@ -10,13 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator import settings
 from orchestrator.agents.messages import (
-    ImageRequest,
     PreparedNode,
     PrepareRequest,
     WeightPlacement,
 )
+from orchestrator.agents.runtimes import runtime_for
 from orchestrator.controller.checkpointing import CheckpointNotFound, resolve_checkpoints
 from orchestrator.controller.job_run import JobRun
 from orchestrator.controller.node_group import NodeGroup, NodeGroupError, short_error
@@ -32,7 +31,7 @@ from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.reasons import never_fits_cause
 from orchestrator.storage.checkpoints import Manifest
 from orchestrator.storage.job_store import JobStore
-from orchestrator.storage.records import Failure, JobRecord
+from orchestrator.storage.records import Failure
 from orchestrator.storage.weights import WeightSet
 
 
@@ -175,21 +174,9 @@ class Deployment:
                 for ws, w in zip(self.weight_sets, job.weights, strict=True)
             ),
             cache=cache_request(record),
-            image=image_request(record),
+            image=runtime_for(job).image_request(),
         )
         try:
             return nodes.prepare(request, self.run.check_stop)
         except NodeGroupError as e:
             raise DeployFailed(Failure(cause=str(e))) from e
-
-
-def image_request(record: JobRecord) -> ImageRequest | None:
-    """The job's image for its nodes to pull, where its commands run in containers."""
-    if settings.JOB_RUNTIME.get() != "container":
-        return None
-    image = record.spec.job.image
-    auth = image.docker_auth
-    if auth is None or auth.registry_secret_docker_auth is None:
-        return ImageRequest(image.base_image)
-    secret = auth.registry_secret_docker_auth.secret_ref.name
-    return ImageRequest(image.base_image, registry=auth.registry, secret_name=secret)

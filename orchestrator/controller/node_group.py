@@ -20,8 +20,8 @@ from orchestrator.agents.messages import (
     CommandsEnded,
     PreparedNode,
     PrepareRequest,
-    StartRequest,
 )
+from orchestrator.agents.rank_program import StartRequest
 from orchestrator.controller.checkpointing import RankEnding, Uploaders
 from orchestrator.controller.failure_policy import Fault
 from orchestrator.errors import last_line

@@ -29,7 +29,6 @@ from orchestrator.agents.messages import (
     OutputLines,
     PreparedNode,
     PrepareRequest,
-    StartRequest,
 )
 from orchestrator.agents.node_agent import (
     TERMINAL_GROUP,
@@ -37,7 +36,9 @@ from orchestrator.agents.node_agent import (
     NodeAgent,
     agent_name,
 )
+from orchestrator.agents.rank_program import StartRequest
 from orchestrator.agents.rendezvous import Rendezvous
+from orchestrator.agents.runtimes import runtime_for
 from orchestrator.agents.services import NAMESPACE, actor_class
 from orchestrator.controller import warm_workers
 from orchestrator.controller.checkpointing import Uploaders
@@ -157,8 +158,7 @@ class RayNodeGroup:
 
     def _start_agent(self, rank: int) -> Any:
         bundle = bundles_for(self.record.spec.job.compute)[rank]
-        image = self.record.spec.job.image.base_image
-        runtime_env = {"image_uri": image} if use_image_uri() else None
+        runtime_env = runtime_for(self.record.spec.job).agent_runtime_env()
         return (
             _agent_class()
             .options(
@@ -266,7 +266,7 @@ class RayNodeGroup:
         self.runs = [RankRun(rank) for rank in range(len(self.agents))]
         for agent, request, run in zip(self.agents, requests, self.runs, strict=True):
             request = dataclasses.replace(request, rendezvous=self.rendezvous)
-            stream = agent.run_commands.options(
+            stream = agent.run_program.options(
                 num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKLOG
             ).remote(request)
             threading.Thread(target=self._follow, args=(stream, run, on_lines), daemon=True).start()
@@ -281,7 +281,8 @@ class RayNodeGroup:
             nodes, live = self.placed_nodes(), _live_nodes()
         except Exception:  # its placement group is gone already: nothing to warm for
             return
-        wanted = [] if use_image_uri() else list(nodes)  # an agent in an image: its own env
+        in_image = runtime_for(self.record.spec.job).agents_in_image
+        wanted = [] if in_image else list(nodes)  # an agent in an image: its own env
         if self.uploaders is not None:
             wanted += nodes
         if self.rendezvous is not None:
@@ -478,19 +479,11 @@ class RayNodeGroup:
             remove_placement_group(self.pg)
 
 
-IMAGE_URI_ENV = settings.USE_IMAGE_URI.name
-
-
 @functools.cache
 def _agent_class() -> Any:
     """The node agent's actor class, made once a process (services.actor_class says why); its
     concurrency groups can be given only here, not in `.options`."""
     return ray.remote(concurrency_groups={TERMINAL_GROUP: TERMINAL_THREADS})(NodeAgent)
-
-
-def use_image_uri() -> bool:
-    """Run agents in the job's base image (a cluster with podman/docker for Ray's image_uri)."""
-    return settings.USE_IMAGE_URI.get()
 
 
 def _live_nodes() -> dict[str, dict[str, Any]]:

@@ -1,0 +1,124 @@
+"""What a rank runs (`RankProgram`): chosen for the job by the controller, run by the rank's node
+agent, like Ray Train's per-worker train function but for any kind of work.
+
+A program is plain data that crosses the Ray call in the rank's `StartRequest` and runs on the
+node against a `RankContext` (the rank's environment, directory, masking and the runner of its
+processes). Today's kind is the job's `start_commands` (`CommandsProgram`). A new kind is one
+class with `for_job`, `describe` and `run`, plus one `register` line: nothing else branches on
+what a rank runs. `StartRequest` carries the program to the rank, with what it runs with.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from orchestrator.agents.messages import (
+    CommandsEnded,
+    ContainerRequest,
+    MetricsRequest,
+    OutputLines,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.agents.command_runner import CommandRunner
+    from orchestrator.node.podman import Container
+    from orchestrator.node.secrets import SecretMasker
+    from orchestrator.spec.training import TrainingJob
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What the node agent gives a rank's program once the rank has joined its group."""
+
+    rank: int
+    env: dict[str, str]  # everything the rank's processes see, secrets resolved
+    cwd: str
+    mask: SecretMasker  # every line a program yields goes through it
+    runner: CommandRunner  # runs the rank's processes where the job runs them, and stops them
+    container: Container | None  # None: on the host, in the node's environment
+    before_end: Callable[[], None]  # what the program's last item must not race (a last sample)
+    tag: Callable[[str, bool], str]  # a line as the job's log shows it: rank, time
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once the rank is asked to stop: a program that waits wakes up on it."""
+        return self.runner.stopping
+
+
+class RankProgram(Protocol):
+    """One kind of work a rank does. Its `run` yields OutputLines as they come and ends with
+    one CommandsEnded (its exit code, what failed, the last lines)."""
+
+    @classmethod
+    def for_job(cls, job: TrainingJob) -> RankProgram | None:
+        """The program of this kind for `job`, or None when the job is not of this kind."""
+
+    def describe(self) -> str:
+        """What each rank runs, for the job's log: "2 command(s)"."""
+
+    def run(self, context: RankContext) -> Iterator[OutputLines | CommandsEnded]: ...
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    """One rank's program and what it runs with (a new attempt's: its rendezvous is new)."""
+
+    program: RankProgram
+    env: dict[str, str]
+    secrets: dict[str, str]  # env var -> secret name, resolved on the node
+    cwd: str
+    gpus_per_node: int
+    rendezvous: Any = None  # the job's Rendezvous actor; None for a group of one
+    metrics: MetricsRequest | None = None
+    container: ContainerRequest | None = None  # None: on the host, in the node's environment
+
+
+_KINDS: list[type[RankProgram]] = []  # the newest first: the most specific kind wins
+
+
+def register(kind: type[RankProgram]) -> type[RankProgram]:
+    """Make `kind` one the controller chooses from (a class decorator); the last registered is
+    asked first, so the commands program, registered here first, is the fallback."""
+    if kind not in _KINDS:
+        _KINDS.insert(0, kind)
+    return kind
+
+
+def unregister(kind: type[RankProgram]) -> None:
+    """Take a kind out again (a test's own kind, once the test is over)."""
+    if kind in _KINDS:
+        _KINDS.remove(kind)
+
+
+def program_for(job: TrainingJob) -> RankProgram:
+    """The program every rank of `job` runs: the first registered kind that takes the job."""
+    for kind in _KINDS:
+        program = kind.for_job(job)
+        if program is not None:
+            return program
+    raise LookupError(f"no rank program takes job {job.name!r}")  # the commands program does
+
+
+@register
+@dataclass(frozen=True)
+class CommandsProgram:
+    """The job's start_commands, one after another through a shell, stopping at the first that
+    fails (agents/command_runner.py); every job that is of no other kind runs these."""
+
+    commands: tuple[str, ...]
+
+    @classmethod
+    def for_job(cls, job: TrainingJob) -> CommandsProgram:
+        return cls(tuple(job.runtime.start_commands))
+
+    def describe(self) -> str:
+        return f"{len(self.commands)} command(s)"
+
+    def run(self, context: RankContext) -> Iterator[OutputLines | CommandsEnded]:
+        yield from context.runner.run(
+            self.commands, context.env, context.cwd, context.mask,
+            before_end=context.before_end, container=context.container,
+        )  # fmt: skip
