@@ -126,7 +126,7 @@ class NodeAgent:
         mounts = self.preparer.cache_mounts
         cache_env = mounts.env if mounts else {}
         job_env = {**cache_env, **request.env, **group_env, **values}
-        container = self._container(request.container)
+        container = self._container(request.runtime.container_request())
         if container is not None:  # the image's own environment, and the job's: none of ours
             # Its GPUs numbered from 0; a CUDA_VISIBLE_DEVICES the job sets wins, as on the host.
             full_env = {**self.preparer.gpus.env, **job_env}

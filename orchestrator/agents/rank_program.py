@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from orchestrator.agents.messages import (
-    CommandsEnded,
-    ContainerRequest,
-    MetricsRequest,
-    OutputLines,
-)
+from orchestrator.agents.messages import CommandsEnded, MetricsRequest, OutputLines
+from orchestrator.agents.runtimes import HostRuntime, JobRuntime
 
 if TYPE_CHECKING:
     from orchestrator.agents.command_runner import CommandRunner
@@ -73,7 +69,7 @@ class StartRequest:
     gpus_per_node: int
     rendezvous: Any = None  # the job's Rendezvous actor; None for a group of one
     metrics: MetricsRequest | None = None
-    container: ContainerRequest | None = None  # None: on the host, in the node's environment
+    runtime: JobRuntime = field(default_factory=HostRuntime)  # where it runs (runtimes.py)
 
 
 _KINDS: list[type[RankProgram]] = []  # the newest first: the most specific kind wins

@@ -39,7 +39,7 @@ def cluster_runtime_kind() -> RuntimeKind:
 class JobRuntime:
     """One job's runtime: its image, and what the job's controller and agents do for it."""
 
-    image: str
+    image: str = ""  # the job's base_image
     kind: ClassVar[RuntimeKind]
 
     def notice(self) -> str:

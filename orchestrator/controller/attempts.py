@@ -143,7 +143,7 @@ class Attempts:
             for var, ref in job.runtime.environment_variables.items()
             if isinstance(ref, SecretReference)
         }
-        container = runtime_for(job).container_request()
+        runtime = runtime_for(job)
         program = program_for(job)
         return [
             StartRequest(
@@ -159,7 +159,7 @@ class Attempts:
                     cpu_request=job.compute.cpu_count,
                     checkpointing=job.runtime.checkpointing_config.enabled,
                 ),
-                container=container,
+                runtime=runtime,
             )
             for node in self.job.status.nodes
         ]
