@@ -19,6 +19,7 @@ from conftest import eventually
 
 from orchestrator.agents.job_shell_service import JobShellService
 from orchestrator.node import podman
+from orchestrator.node.rank_runtime import InContainer
 from orchestrator.node.secrets import SecretMasker
 
 # The main command waits for /tmp/go inside, then ends, and the container with it (--rm).
@@ -53,7 +54,7 @@ def rank_container(tmp_path: Path) -> Iterator[tuple[podman.Container, subproces
 def _service(container: podman.Container) -> JobShellService:
     service = JobShellService(rank=0)
     node = str(Path(container.status_file).parent)
-    service.commands_started({"GREETING": "hello"}, node, SecretMasker([]), container)
+    service.commands_started({"GREETING": "hello"}, node, SecretMasker([]), InContainer(container))
     return service
 
 

@@ -1,33 +1,28 @@
 """Runs a rank's start commands, one after another, and stops them.
 
-Each command runs through `/bin/sh -c` as the leader of its own process group, under a guard
-that kills the group if the agent dies without stopping it; or, in a container of the job's
-image, as `podman run` of that shell (node/podman.py), the container removed when it is stopped
-or its agent dies. Output is read as it comes (not line by line), split into lines and progress
-updates, masked, and yielded in items small enough to stay out of Ray's object store.
+The rank's runtime (node/rank_runtime.py) starts the processes that run them: each command
+through `/bin/sh -c` on the host, or all of them in a container of the job's image. Each leads
+its own process group, under a guard that kills the group (and removes the container) if the
+agent dies without stopping it. Output is read as it comes (not line by line), split into lines
+and progress updates, masked, and yielded in items small enough to stay out of Ray's object
+store.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
-from pathlib import Path
 
 from orchestrator.agents.messages import CommandsEnded, OutputLines
-from orchestrator.node import podman
 from orchestrator.node.output_splitter import OutputSplitter
-from orchestrator.node.podman import Container
+from orchestrator.node.rank_runtime import ON_HOST, RankRuntime
 from orchestrator.node.secrets import SecretMasker
-from orchestrator.sizes import human_bytes
 
 # Runs each command as the leader of its process group. If the agent dies without stopping it
 # (a killed worker, a lost node), the guard notices its parent is gone and kills the group, so
@@ -37,7 +32,7 @@ from orchestrator.sizes import human_bytes
 # one, so it forks a watcher, its own child, that ends the group when the guard dies without
 # saying it is done (end of file on a pipe only the guard writes).
 # A container lives outside the group (podman's conmon holds it): the guard removes it first,
-# with the command given in $ORCHESTRATOR_GUARD_CLEANUP.
+# with the command the rank's runtime gives in $ORCHESTRATOR_GUARD_CLEANUP.
 _GUARD = """
 import json, os, signal, subprocess, sys
 agent = int(sys.argv[1])
@@ -83,13 +78,13 @@ Failed = tuple[int, str, str | None]
 
 
 class CommandRunner:
-    """One rank's commands: run in order, stopping at the first that fails, or when stopped."""
+    """One rank's commands: run in order, stopping at the first that fails, or when stopped;
+    where the rank's runtime runs them (node/rank_runtime.py)."""
 
     def __init__(self, tag: Callable[[str, bool], str]) -> None:
         self._tag = tag  # a line as the job's log shows it (rank, time)
         self._process: subprocess.Popen[bytes] | None = None
-        self._container: Container | None = None
-        self._container_pid: int | None = None
+        self._runtime: RankRuntime = ON_HOST
         self.stopping = threading.Event()
 
     def pid(self) -> int | None:
@@ -99,27 +94,18 @@ class CommandRunner:
         proc = self._process
         if proc is None or proc.poll() is not None:
             return None
-        if self._container is None:
-            return proc.pid
-        if self._container_pid is None:  # asked once it runs
-            self._container_pid = podman.container_pid(self._container.name)
-        return self._container_pid or proc.pid
+        return self._runtime.pid(proc)
 
     def run(
         self, commands: tuple[str, ...], env: dict[str, str], cwd: str, mask: SecretMasker,
-        before_end: Callable[[], None] = lambda: None, container: Container | None = None,
+        before_end: Callable[[], None] = lambda: None, runtime: RankRuntime = ON_HOST,
     ) -> Iterator[OutputLines | CommandsEnded]:  # fmt: skip
         """OutputLines as output arrives, then one CommandsEnded; `before_end` runs just before
-        it (what the ending must not race, such as the rank's last resource sample). With
-        `container`, the commands run in one container of it, one after another as here (what
-        one installs, the next sees), with `env` alone (none of the node's)."""
+        it (what the ending must not race, such as the rank's last resource sample). `env` is
+        all the commands see (`runtime.environment`)."""
         last_lines: deque[str] = deque(maxlen=LAST_LINES)
-        self._container = container
-        if container is not None:
-            failed = yield from self._run_in_container(commands, env, cwd, container, mask,
-                                                       last_lines)  # fmt: skip
-        else:
-            failed = yield from self._run_here(commands, env, cwd, mask, last_lines)
+        self._runtime = runtime
+        failed = yield from self._run(commands, env, cwd, mask, last_lines)
         before_end()
         code, command, why = failed or (0, None, None)
         yield CommandsEnded(
@@ -127,66 +113,21 @@ class CommandRunner:
             stopped=self.stopping.is_set(), ended_at=time.time(), why=why,
         )  # fmt: skip
 
-    def _run_here(
+    def _run(
         self, commands: tuple[str, ...], env: dict[str, str], cwd: str, mask: SecretMasker,
         last_lines: deque[str],
     ) -> Generator[OutputLines, None, Failed | None]:  # fmt: skip
-        """Each command through the node's shell; the first failure's code and command."""
-        for command in commands:
+        """Each process the runtime runs the commands in, one after another, under the guard;
+        the first failure's code, command, and why where it is known."""
+        runtime = self._runtime
+        for batch in runtime.batches(commands):
             if self.stopping.is_set():
                 break
-            self._process = subprocess.Popen(
-                [*_guarded(), "/bin/sh", "-c", command], cwd=cwd, env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group, so stop reaches every child
-            )  # fmt: skip
+            yield from _items([self._tag(line, False) for line in runtime.opening()])
+            self._process = runtime.start(batch, env, cwd, _guarded())
             if code := (yield from self._stream(self._process, mask, last_lines)):
-                return code, command, None
+                return (code, *runtime.failure(batch, code))
         return None
-
-    def _run_in_container(
-        self, commands: tuple[str, ...], env: dict[str, str], cwd: str, container: Container,
-        mask: SecretMasker, last_lines: deque[str],
-    ) -> Generator[OutputLines, None, Failed | None]:  # fmt: skip
-        """The commands in one container; the first failure's code, command (which one, the
-        container's shell writes to `container.status_file`, inside a bind), and that the
-        kernel killed a process for memory, if it did."""
-        if self.stopping.is_set() or not commands:
-            return None
-        # Under the rank's name: what an earlier attempt's agent left goes first.
-        subprocess.run(podman.remove_argv(container.name), capture_output=True)
-        self._container_pid = None
-        digest = container.digest or "its digest unknown"
-        gpus = f", with {', '.join(container.devices)}" if container.devices else ""
-        yield from _items([self._tag(
-            f"the commands run in a container of {container.image} ({digest}){gpus}", False
-        )])  # fmt: skip
-        Path(container.status_file).unlink(missing_ok=True)
-        cleanup = json.dumps(podman.remove_argv(container.name))
-        self._process = subprocess.Popen(
-            [*_guarded(), *podman.run_argv(container, cwd, commands)],
-            # podman's conmon leaves a file named `oom` in its working directory when the kernel
-            # kills a process for memory: the rank's directory, not the agent's.
-            cwd=Path(container.status_file).parent,
-            env={**os.environ, "ORCHESTRATOR_GUARD_CLEANUP": cleanup},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-            start_new_session=True,
-        )  # fmt: skip
-        assert self._process.stdin is not None
-        with contextlib.suppress(BrokenPipeError):  # it failed at once: its output says why
-            self._process.stdin.write(podman.environment_script(env))
-        self._process.stdin.close()
-        code = yield from self._stream(self._process, mask, last_lines)
-        if code == 0:
-            return None
-        index, oom_kills = podman.failed_command(container.status_file)
-        command = commands[index] if index is not None else f"podman run {container.image}"
-        why = None
-        if oom_kills and container.memory_bytes:
-            why = f"out of memory: limit {human_bytes(container.memory_bytes)}"
-        elif oom_kills:
-            why = "out of memory"
-        return code, command, why
 
     def _stream(
         self, process: subprocess.Popen[bytes], mask: SecretMasker, last_lines: deque[str]
@@ -213,26 +154,13 @@ class CommandRunner:
         return process.wait()
 
     def stop(self, grace_s: float = 10.0) -> bool:
-        """SIGTERM the running command's process group, SIGKILL what is left after `grace_s`.
-
-        The whole group gets the grace, not only the shell: a trainer that saves a checkpoint
-        on SIGTERM outlives the `sh -c` that started it, which SIGTERM ends at once.
-        """
+        """SIGTERM every process of the running command, SIGKILL what is left after `grace_s`
+        (node/rank_runtime.py `RankRuntime.stop`); whether one was running."""
         self.stopping.set()
         proc = self._process
         if proc is None or proc.poll() is not None:
             return False
-        if (container := self._container) is not None:  # every process in it but its init
-            subprocess.run(podman.signal_all_argv(container.name), capture_output=True)
-        else:
-            _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
-            time.sleep(0.05)
-        _signal_group(proc.pid, signal.SIGKILL)
-        if (container := self._container) is not None:  # podman's client gone: the container
-            subprocess.run(podman.remove_argv(container.name), capture_output=True)
-        proc.wait()
+        self._runtime.stop(proc, grace_s)
         return True
 
 
@@ -281,18 +209,3 @@ def _drain(chunks: queue.Queue[bytes | None], wait: float = 0.1, most: int = 16)
         except queue.Empty:
             break
     return batch
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)

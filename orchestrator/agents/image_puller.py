@@ -18,11 +18,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from orchestrator import actor_names, settings
+from orchestrator import actor_names
+from orchestrator.agents.runtimes import cluster_runtime_kind
 from orchestrator.agents.services import actor_alive, shared_actor
 from orchestrator.node import podman
-from orchestrator.node.image_cache import ImageCache
-from orchestrator.node.secrets import resolve_secret
+from orchestrator.node.rank_runtime import PodmanPull
 
 
 class ImagePuller:
@@ -48,10 +48,8 @@ class ImagePuller:
         def pull() -> None:
             try:
                 with contextlib.suppress(Exception):  # the agent's prepare says why
-                    credentials = None
-                    if registry and secret_name:
-                        credentials = (registry, resolve_secret(secret_name, team))
-                    ImageCache(alive=actor_alive).ensure(image, holder, credentials, lines.put)
+                    PodmanPull(image, holder, registry, secret_name, team, lines.put,
+                               actor_alive).pull()  # fmt: skip
                     self._remember(image)
             finally:
                 lines.put(None)
@@ -67,24 +65,21 @@ class ImagePuller:
         """Start pulling `image` for a job that waits in the queue and could start here (the
         queue service asks); whether it is pulled or on its way. Nothing on a node whose jobs
         run on the host. A failure is left to the job's own pull, which says why."""
-        if settings.JOB_RUNTIME.get() != "container":
+        if not cluster_runtime_kind().nodes_pull_images:
             return False
         if (layer := self._found.get(image)) and os.path.isdir(layer):
             return True
 
         def pull() -> None:
             with contextlib.suppress(Exception):
-                credentials = None
-                if registry and secret_name:
-                    credentials = (registry, resolve_secret(secret_name, team))
                 # Held by no job until its agent holds it: a later pull's eviction may take it
                 # before the job starts, and the job's own pull brings it back.
-                cache = ImageCache(alive=actor_alive)
-                holder = f"queued:{job_id}"
+                queued = PodmanPull(image, f"queued:{job_id}", registry, secret_name, team,
+                                    alive=actor_alive)  # fmt: skip
                 try:
-                    cache.ensure(image, holder, credentials)
+                    queued.pull()
                 finally:
-                    cache.release(holder)
+                    queued.release()
                 self._remember(image)
 
         threading.Thread(target=pull, name="image-prefetch", daemon=True).start()

@@ -8,7 +8,6 @@ rank's checkpoints while any is not yet in the storage root.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -16,7 +15,7 @@ import queue
 import shutil
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,15 +23,14 @@ from orchestrator.agents.messages import (
     CacheRequest,
     CacheSeeded,
     Delivery,
-    ImageRequest,
     PrepareRequest,
     WeightPlacement,
 )
+from orchestrator.agents.runtimes import image_pull
 from orchestrator.agents.services import actor_alive
-from orchestrator.node import podman
-from orchestrator.node.gpus import GpuAccess, gpu_access
-from orchestrator.node.image_cache import ImageCache
+from orchestrator.node.gpus import GpuAccess
 from orchestrator.node.node_root import RankDirs
+from orchestrator.node.rank_runtime import ImagePull, RankPlace
 from orchestrator.node.secrets import resolve_secret
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
@@ -57,14 +55,14 @@ class NodePreparer:
         self._mounts: list[tuple[Path, str]] = []  # weight mounts: link -> the cache's directory
         self._holds_weights = False  # asked this node's cache for a set: release it at the end
         self._download_folder: Path | None = None  # where checkpoints to load were put
-        self._holds_image = False  # asked this node's image cache for the job's image
-        self.image_digest: str | None = None  # what the image's name was here when prepared
+        self.image = ImagePull()  # the job's image on this node: none until prepared with one
         self.gpus = GpuAccess()  # what the container is given of the rank's GPUs
         self._pull_lines: queue.Queue[str | None] = queue.Queue()
 
     def prepare(self, request: PrepareRequest) -> tuple[CacheSeeded | None, tuple[Delivery, ...]]:
         """Check secrets, fetch the code, create the job's directories, fetch checkpoints to load,
-        and place the job's caches and weight sets.
+        and place the job's caches and weight sets; the job's image pulled meanwhile, where
+        it has one to pull.
 
         Checkpoints to load land in `<folder>/rank-<their rank>/<their name>/`; Baseten's
         default folder becomes one private to this job on this node.
@@ -72,42 +70,32 @@ class NodePreparer:
         try:
             for name in request.secret_names:
                 resolve_secret(name, self.team)  # a missing secret fails the deploy, naming it
-            if request.image is None:
-                return self._prepare(request)
-            self.gpus = gpu_access(_ray_gpu_ids())  # before the pull: a node without them fails now
-            # The pull and the rest at the same time; the first to fail fails the prepare at
-            # once (a refused password is not reported after minutes of weights).
-            pull = self._pull(request.image)
-            pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="prepare")
-            try:
-                futures = [pool.submit(pull), pool.submit(self._prepare, request)]
-                concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
-                for future in futures:
-                    if future.done() and (error := future.exception()) is not None:
-                        raise error
-                prepared = futures[1].result()
-            finally:
-                pool.shutdown(wait=False)
-            self.image_digest = podman.image_digest(request.image.image)
-            return prepared
+            self.image = image_pull(
+                request.image, self.holder[0], self.team, self._pull_lines.put, actor_alive
+            )
+            self.gpus = self.image.container_gpus(_ray_gpu_ids())  # a node without them fails now
+            return self.image.during(lambda: self._prepare(request))
         finally:
             self._pull_lines.put(None)
+
+    @property
+    def image_digest(self) -> str | None:
+        """What the image's name was on this node when prepared (None: no image pulled)."""
+        return self.image.digest
+
+    def place(self) -> RankPlace:
+        """What the node prepared for the rank, which a container of the job's image sees."""
+        binds, read_only = self.binds()
+        return RankPlace(
+            name=self.holder[0], status_file=str(self.dirs.base / "failed"), binds=tuple(binds),
+            read_only=tuple(read_only), gpus=self.gpus, digest=self.image_digest,
+        )  # fmt: skip
 
     def pull_lines(self) -> Iterator[str]:
         """The lines `prepare`'s pull says, as it says them; nothing without an image."""
         while (line := self._pull_lines.get()) is not None:
             yield line
         self._pull_lines.put(None)  # for a second reader
-
-    def _pull(self, image: ImageRequest) -> Callable[[], object]:
-        """The pull, to run; its registry secret resolved now (a missing one fails at once)."""
-        credentials = None
-        if image.registry and image.secret_name:
-            credentials = (image.registry, resolve_secret(image.secret_name, self.team))
-        self._holds_image = True
-        return lambda: ImageCache(alive=actor_alive).ensure(
-            image.image, self.holder[0], credentials, self._pull_lines.put
-        )
 
     def _prepare(self, request: PrepareRequest) -> tuple[CacheSeeded | None, tuple[Delivery, ...]]:
         dirs = self.dirs
@@ -216,10 +204,8 @@ class NodePreparer:
         """Remove the job's scratch, working copy, links and loaded checkpoints from this node;
         its checkpoint directory too unless `keep_checkpoints`; let go of its image."""
         dirs = self.dirs
-        if self._holds_image:
-            with contextlib.suppress(Exception):  # a hold lapses with its agent anyway
-                ImageCache().release(self.holder[0])
-            self._holds_image = False
+        with contextlib.suppress(Exception):  # a hold lapses with its agent anyway
+            self.image.release()
         self._unmount_weights()
         if self.cache_mounts is not None:
             self.cache_mounts.remove()

@@ -20,7 +20,7 @@ from orchestrator.agents.runtimes import HostRuntime, JobRuntime
 
 if TYPE_CHECKING:
     from orchestrator.agents.command_runner import CommandRunner
-    from orchestrator.node.podman import Container
+    from orchestrator.node.rank_runtime import RankRuntime
     from orchestrator.node.secrets import SecretMasker
     from orchestrator.spec.training import TrainingJob
 
@@ -34,7 +34,7 @@ class RankContext:
     cwd: str
     mask: SecretMasker  # every line a program yields goes through it
     runner: CommandRunner  # runs the rank's processes where the job runs them, and stops them
-    container: Container | None  # None: on the host, in the node's environment
+    runtime: RankRuntime  # where the processes run: the host, or the rank's container
     before_end: Callable[[], None]  # what the program's last item must not race (a last sample)
     tag: Callable[[str, bool], str]  # a line as the job's log shows it: rank, time
 
@@ -116,5 +116,5 @@ class CommandsProgram:
     def run(self, context: RankContext) -> Iterator[OutputLines | CommandsEnded]:
         yield from context.runner.run(
             self.commands, context.env, context.cwd, context.mask,
-            before_end=context.before_end, container=context.container,
+            before_end=context.before_end, runtime=context.runtime,
         )  # fmt: skip

@@ -5,20 +5,25 @@ podman container of the job's image (`ContainerRuntime`), or on agents Ray start
 The cluster chooses the kind (ORCHESTRATOR_JOB_RUNTIME, ORCHESTRATOR_USE_IMAGE_URI on the head);
 `runtime_for` makes the job's runtime from it once, the controller asks it what to say, what it
 cannot do, what the nodes pull and what the agents start with, and each rank's StartRequest
-carries it to the node agent, which runs the rank's program in it. No other module asks which
-kind a job runs in.
+carries it to the node agent, which runs the rank's program in the rank's runtime on its node
+(`on_node`: node/rank_runtime.py). The queue service asks the kind whether waiting jobs' images
+are pulled ahead and what its beat says, and push what to say of it. No other module reads the
+settings that choose it.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from orchestrator import settings
-from orchestrator.agents.messages import ContainerRequest, ImageRequest
+from orchestrator.agents.messages import ImageRequest
 
+# The node side is imported where a node uses it: the controller and push import this module.
 if TYPE_CHECKING:
+    from orchestrator.node.rank_runtime import ImagePull, RankPlace, RankRuntime
     from orchestrator.spec.training import TrainingJob
 
 
@@ -26,6 +31,19 @@ class RuntimeKind(str, enum.Enum):
     HOST = "host"
     CONTAINER = "container"
     IMAGE_URI = "image_uri"
+
+    @property
+    def nodes_pull_images(self) -> bool:
+        """Whether the nodes pull jobs' images themselves (node/image_cache.py), so a waiting
+        job's can be pulled before it is admitted."""
+        return self is RuntimeKind.CONTAINER
+
+    @property
+    def said(self) -> str:
+        """Where the commands run, as the queue service's beat tells clients (ServiceBeat's
+        runtime, storage/queue_store.py): the cluster's ORCHESTRATOR_JOB_RUNTIME, "host" or
+        "container" (an image_uri cluster's is "host")."""
+        return "container" if self is RuntimeKind.CONTAINER else "host"
 
 
 def cluster_runtime_kind() -> RuntimeKind:
@@ -54,9 +72,12 @@ class JobRuntime:
         """The image each node pulls while it is prepared; None: nothing to pull."""
         return None
 
-    def container_request(self) -> ContainerRequest | None:
-        """What each rank's container is made of; None: the rank runs without one."""
-        return None
+    def on_node(self, place: RankPlace) -> RankRuntime:
+        """Where one rank's processes run on its node, once it is prepared (`place`): here, in
+        the agent's environment (the node's, or the image's where Ray started the agent in it)."""
+        from orchestrator.node.rank_runtime import ON_HOST
+
+        return ON_HOST
 
     def agent_runtime_env(self) -> dict[str, str] | None:
         """The Ray runtime_env the job's node agents start with; None: the node's own."""
@@ -116,8 +137,10 @@ class ContainerRuntime(JobRuntime):
     def image_request(self) -> ImageRequest:
         return ImageRequest(self.image, registry=self.registry, secret_name=self.secret_name)
 
-    def container_request(self) -> ContainerRequest:
-        return ContainerRequest(image=self.image, memory_bytes=self.memory_bytes, cpus=self.cpus)
+    def on_node(self, place: RankPlace) -> RankRuntime:
+        from orchestrator.node.rank_runtime import InContainer
+
+        return InContainer.of(place, self.image, self.memory_bytes, self.cpus)
 
 
 @dataclass(frozen=True)
@@ -152,3 +175,34 @@ def runtime_for(job: TrainingJob) -> JobRuntime:
         image, memory_bytes=job.compute.memory_bytes, cpus=job.compute.cpu_count,
         registry=registry, secret_name=secret, unsupported_auth=unsupported,
     )  # fmt: skip
+
+
+def image_pull(
+    request: ImageRequest | None, holder: str, team: str | None, say: Callable[[str], None],
+    alive: Callable[[str], bool],
+) -> ImagePull:  # fmt: skip
+    """What a rank's prepare does for the job's image (`PrepareRequest.image`, from
+    `image_request`): pull it for `holder`, saying its lines; nothing without one."""
+    from orchestrator.node.rank_runtime import ImagePull, PodmanPull
+
+    if request is None:
+        return ImagePull()
+    return PodmanPull(request.image, holder, request.registry, request.secret_name, team, say,
+                      alive)  # fmt: skip
+
+
+def push_notices(job: TrainingJob, said: str | None) -> list[str]:
+    """What push says of where the commands will run, from what the cluster said
+    (`RuntimeKind.said`; None: it has not): on the host, that the image is not used and the
+    code is trusted (docs/secrets.md); nothing where they run in the image, or where the
+    cluster has not said (its first job's log says it)."""
+    if said != RuntimeKind.HOST.said:
+        return []
+    image = "image.base_image and image.docker_auth are" if job.image.docker_auth else (
+        "image.base_image is"
+    )  # fmt: skip
+    return [
+        f"this cluster runs jobs' commands in its nodes' own environment, as trusted code: "
+        f"{image} recorded only, and the commands can reach the cluster and read what Ray's "
+        "user can on the node (docs/secrets.md)"
+    ]

@@ -22,7 +22,7 @@ import termios
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import psutil
 
@@ -41,38 +41,31 @@ class TerminalEnded(Exception):
     (internal: the client's relay shows its last line as why the shell ended)."""
 
 
+class TerminalShell(Protocol):
+    """Where a terminal's shell runs (node/rank_runtime.py chooses): `HostShell` or
+    `ContainerShell`."""
+
+    def start(self, child_end: int) -> subprocess.Popen:
+        """The shell, on the PTY's other end (`child_end`), leading its own session."""
+        ...
+
+    def hang_up(self) -> None:
+        """End what the shell left where the terminal's own hang-up of its session on this
+        node cannot reach."""
+        ...
+
+
 class Terminal:
     """One shell on a PTY whose master end this process holds."""
 
     def __init__(
-        self,
-        env: dict[str, str],
-        cwd: str,
-        masker: SecretMasker,
-        rows: int,
-        cols: int,
-        term: str,
-        lost_after_s: float,
-        container: Container | None = None,
+        self, shell: TerminalShell, masker: SecretMasker, rows: int, cols: int, lost_after_s: float
     ) -> None:
         master, child_end = os.openpty()
         _set_size(master, rows, cols)
-        self.container = _InContainer(container, env, cwd, term) if container else None
+        self.shell = shell
         try:
-            if self.container is not None:
-                self.process = self.container.start(child_end)
-            else:
-                shell = _shell(env)
-                self.process = subprocess.Popen(
-                    [shell, "-i"],
-                    stdin=child_end,
-                    stdout=child_end,
-                    stderr=child_end,
-                    cwd=cwd,
-                    env={**env, "TERM": term or "xterm-256color", "SHELL": shell},
-                    start_new_session=True,  # the shell leads a session: its PTY is its own
-                    preexec_fn=_take_controlling_terminal,
-                )
+            self.process = shell.start(child_end)
         except BaseException:
             os.close(master)
             raise
@@ -142,8 +135,7 @@ class Terminal:
             self._release()
 
     def _hang_up(self) -> None:
-        if self.container is not None:  # the shell's session in the container first
-            self.container.hang_up()
+        self.shell.hang_up()  # the shell's session in its container first, if it has one
         members = _session_members(self.process.pid)
         for process in members:
             with contextlib.suppress(psutil.Error):
@@ -215,7 +207,28 @@ class Terminals:
                 self.close(terminal_id)
 
 
-class _InContainer:
+class HostShell:
+    """A terminal's shell in the node's environment, as the job's commands run: the job's
+    directory and environment, the PTY its controlling terminal; the environment's SHELL, else
+    bash, else sh."""
+
+    def __init__(self, env: dict[str, str], cwd: str, term: str) -> None:
+        self.env, self.cwd, self.term = env, cwd, term
+
+    def start(self, child_end: int) -> subprocess.Popen:
+        shell = _shell(self.env)
+        return subprocess.Popen(
+            [shell, "-i"], stdin=child_end, stdout=child_end, stderr=child_end, cwd=self.cwd,
+            env={**self.env, "TERM": self.term or "xterm-256color", "SHELL": shell},
+            start_new_session=True,  # the shell leads a session: its PTY is its own
+            preexec_fn=_take_controlling_terminal,
+        )  # fmt: skip
+
+    def hang_up(self) -> None:
+        """Nothing: the terminal hangs up the shell's session itself."""
+
+
+class ContainerShell:
     """A terminal's shell in the rank's container (`podman exec -it`): the job's environment
     goes in on a pipe (fd 3 inside), never on a command line; the shell says its pid inside on
     another (fd 4), which its hang-up needs, as podman's client ending leaves it running."""
