@@ -32,6 +32,9 @@ class FaultKind(str, enum.Enum):
     # The queue gave its nodes to another job (scheduler/policy.py): back in the queue, not a
     # fault of the job's or the cluster's, so no retry is used (controller/attempts.py).
     PREEMPTED_BY_JOB = "preempted_by_job"
+    # A rank's checkpoint directory holds more than volume_size_gib: never retried (the same
+    # code fills it again).
+    OVER_VOLUME = "over_volume"
 
 
 # A job whose commands all exited 0 but whose checkpoints were not all stored ends COMPLETED

@@ -9,15 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_controller import KEEP_RUNNING, FakeNodes
+from controller_fakes import KEEP_RUNNING, FakeRanks, fake_nodes
 
 from orchestrator import definitions as d
 from orchestrator.agents.messages import CommandsEnded, PreparedNode
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import store_job
 from orchestrator.controller.attempts import Attempts, Unrecoverable
+from orchestrator.controller.job_nodes import JobNodes
 from orchestrator.controller.job_run import JobRun
-from orchestrator.controller.node_group import NodeGroup, NodeGroupError
+from orchestrator.controller.plan import GroupPlan, SpecPlan
+from orchestrator.controller.rank_group import GroupError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import Failure, NodeInfo, RetryPolicy
@@ -27,16 +29,16 @@ from orchestrator.storage.root import StorageRoot
 class FakePort:
     """The controller's side of the attempts, noted call by call."""
 
-    def __init__(self, job_run: JobRun, nodes: FakeNodes) -> None:
+    def __init__(self, job_run: JobRun, nodes: JobNodes) -> None:
         self.job_run = job_run
         self._nodes = nodes
         self.calls: list[str] = []
         self.preempt: str | None = None  # what the queue says once, when the job must give way
-        self.after_requeue: FakeNodes | None = None
+        self.after_requeue: JobNodes | None = None
         self.room = True  # whether a lost rank can be placed again
 
     @property
-    def nodes(self) -> NodeGroup:
+    def nodes(self) -> JobNodes:
         return self._nodes
 
     def preemption(self) -> str | None:
@@ -46,13 +48,13 @@ class FakePort:
     def replace(self, ranks: list[int]) -> None:
         self.calls.append(f"replace {ranks}")
         if not self.room:
-            raise NodeGroupError("could not be scheduled within 5 s: no room")
+            raise GroupError("could not be scheduled within 5 s: no room")
 
     def prepare(self, ranks: list[int]) -> list[PreparedNode]:
         self.calls.append(f"prepare {ranks}")
         return [PreparedNode(r, f"spare-{r}", "10.0.0.9", f"spare-{r}", f"/w/{r}") for r in ranks]
 
-    def requeue(self, reason: str, keep_checkpoints: bool) -> None:
+    def requeue(self, reason: str, keep_checkpoints: bool, plan: GroupPlan) -> None:
         self.calls.append(f"requeue ({reason}; keep checkpoints: {keep_checkpoints})")
         assert self.after_requeue is not None
         self._nodes = self.after_requeue  # placed and prepared anew, as the controller does
@@ -64,6 +66,18 @@ class FakePort:
 
     def fail(self, state: JobState, failure: Failure) -> None:
         self.calls.append(f"{state.value}: {failure.cause}")
+
+
+def nodes_of(job_run: JobRun, store: JobStore) -> tuple[JobNodes, FakeRanks]:
+    """Fake nodes for the run's job, its ranks prepared on `node-0` and `node-1`."""
+    nodes, ranks, _ = fake_nodes(store, job_run.record, 2)
+    ranks.node_ids = {node.rank: node.node_id for node in job_run.status.nodes}
+    return nodes, ranks
+
+
+def attempts(job_run: JobRun, port: FakePort) -> Attempts:
+    plans = SpecPlan(job_run.record)
+    return Attempts(job_run, port, plans.plan(0), plans)
 
 
 @pytest.fixture
@@ -102,11 +116,14 @@ def test_a_job_the_queue_preempts_goes_back_in_line_and_starts_again_on_new_node
     """Giving way is not a fault: no retry is spent, and the next attempt runs on the group the
     port placed anew."""
     job_run, store = run()
-    first, second = FakeNodes(store, "jatt00001", 2), FakeNodes(store, "jatt00001", 2)
+    (first_nodes, first), (second_nodes, second) = (
+        nodes_of(job_run, store),
+        nodes_of(job_run, store),
+    )
     first.endings = [KEEP_RUNNING, KEEP_RUNNING]
-    port = FakePort(job_run, first)
-    port.preempt, port.after_requeue = "preempted by j2: borrowed capacity", second
-    Attempts(job_run, port).run()
+    port = FakePort(job_run, first_nodes)
+    port.preempt, port.after_requeue = "preempted by j2: borrowed capacity", second_nodes
+    attempts(job_run, port).run()
     assert port.calls == [
         "requeue (preempted by j2: borrowed capacity; keep checkpoints: False)",
         "complete",
@@ -121,22 +138,22 @@ def test_a_job_the_queue_preempts_goes_back_in_line_and_starts_again_on_new_node
 
 def test_a_fault_the_policy_does_not_retry_ends_the_job_through_the_port(run):
     job_run, store = run()
-    nodes = FakeNodes(store, "jatt00001", 2)
+    job_nodes, nodes = nodes_of(job_run, store)
     nodes.endings = [KEEP_RUNNING, CommandsEnded(exit_code=3, command="python train.py")]
-    port = FakePort(job_run, nodes)
-    Attempts(job_run, port).run()
+    port = FakePort(job_run, job_nodes)
+    attempts(job_run, port).run()
     assert port.calls == ["FAILED: rank 1: command exited with code 3: python train.py"]
     assert job_run.status.attempts[0].decision.startswith("ended: ")
 
 
 def test_a_lost_rank_is_replaced_and_prepared_alone_then_every_rank_runs_again(run):
     job_run, store = run(RetryPolicy(retries=1))
-    nodes = FakeNodes(store, "jatt00001", 2)
+    job_nodes, nodes = nodes_of(job_run, store)
     nodes.endings = [KEEP_RUNNING, KEEP_RUNNING]
     nodes.lose = {0: 1}
     nodes.later_endings = [[CommandsEnded(exit_code=0)] * 2]
-    port = FakePort(job_run, nodes)
-    Attempts(job_run, port).run()
+    port = FakePort(job_run, job_nodes)
+    attempts(job_run, port).run()
     assert port.calls == ["replace [1]", "prepare [1]", "complete"]
     placed = job_run.status.nodes
     assert [(n.node_id, n.prepared_for) for n in placed] == [("node-0", 0), ("spare-1", 1)]
@@ -144,12 +161,12 @@ def test_a_lost_rank_is_replaced_and_prepared_alone_then_every_rank_runs_again(r
 
 def test_no_room_for_a_replacement_is_unrecoverable(run):
     job_run, store = run(RetryPolicy(retries=1))
-    nodes = FakeNodes(store, "jatt00001", 2)
+    job_nodes, nodes = nodes_of(job_run, store)
     nodes.endings = [KEEP_RUNNING, KEEP_RUNNING]
     nodes.lose = {0: 0}
-    port = FakePort(job_run, nodes)
+    port = FakePort(job_run, job_nodes)
     port.room = False
     with pytest.raises(Unrecoverable, match="no room"):
-        Attempts(job_run, port).run()
+        attempts(job_run, port).run()
     assert port.calls == ["replace [0]"]
     assert job_run.status.state == JobState.PENDING  # the controller records how it ends

@@ -1,4 +1,5 @@
-"""The controller's sequence, with a fake node group: no cluster, no Ray workers.
+"""The controller's sequence on a fake cluster with scripted ranks (tests/controller_fakes.py):
+no Ray.
 
 What a user sees of each path (the states, the failure, the order of the last steps) is
 checked against the job's stored status and logs, as `view` and `logs` read them.
@@ -12,165 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
+from controller_fakes import KEEP_RUNNING, OpenQueue, fake_nodes
 
-from orchestrator.agents.messages import CommandsEnded, PreparedNode
+from orchestrator.agents.messages import CommandsEnded
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import store_job
 from orchestrator.controller.controller import JobController
-from orchestrator.controller.failure_policy import Fault, FaultKind
-from orchestrator.controller.node_group import NodeGroupError, NodeLostError, RankRun
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.job_store import JobStore
-from orchestrator.storage.records import CheckpointSummary, RetryPolicy
+from orchestrator.storage.records import RetryPolicy
 from orchestrator.storage.root import StorageRoot
-
-KEEP_RUNNING = None  # a rank's scripted ending: runs until the group is stopped
-
-
-class FakeUploaders:
-    """Records the final flush and what the stored state was when it came."""
-
-    def __init__(self, nodes: FakeNodes) -> None:
-        self.nodes = nodes
-        self.actors = [object()] * nodes.size
-        self.flushed_with: list = []
-
-    def wait_ready(self) -> None:
-        self.nodes.calls.append("uploaders ready")
-
-    def poll(self) -> tuple[list[str], str | None]:
-        return [], None
-
-    def writer_ended(self, ending) -> None:
-        pass
-
-    flush_timeout_s = 5.0
-
-    def end_attempt(self, endings, timeout, lost) -> list[str]:
-        self.nodes.calls.append(f"end attempt (lost {sorted(lost)})")
-        return []
-
-    def begin_attempt(self, number: int, check_stop) -> str | None:
-        self.nodes.calls.append(f"begin attempt {number}")
-        return self.nodes.latest_checkpoint
-
-    def flush(self, endings, timeout=None):
-        self.flushed_with = endings
-        self.nodes.calls.append(f"flush (stored state {self.nodes.stored_state()})")
-        return ["[checkpoints] nothing left to upload"], CheckpointSummary.of([], {})
-
-
-class OpenQueue:
-    """A cluster's queue with room for every job (the queue's own tests use the real one)."""
-
-    def wait_admitted(self, timeout_s, on_pending, check_stop) -> bool:
-        return False
-
-    def placed(self, node_ids) -> None:
-        self.placed_on = node_ids
-
-    def preemption(self) -> None:
-        return None
-
-    def requeue(self) -> None:
-        raise AssertionError("nothing preempts a job here")
-
-    def release(self) -> None:
-        self.released = True
-
-
-class FakeNodes:
-    """A NodeGroup whose ranks end as scripted, attempt by attempt; it notes each call."""
-
-    def __init__(self, store: JobStore, job_id: str, size: int) -> None:
-        self.store, self.job_id, self.size = store, job_id, size
-        self.calls: list[str] = []
-        self.runs: list[RankRun] = []
-        self.uploaders: FakeUploaders | None = None
-        self.cache_affinity = None
-        self.endings: list[CommandsEnded | None] = [CommandsEnded(exit_code=0)] * size
-        self.later_endings: list[list[CommandsEnded | None]] = []  # attempt 1, 2, ...
-        self.lose: dict[int, int] = {}  # attempt -> the rank whose node is lost in it
-        self.unplaceable = False
-        self.during_prepare = lambda: None
-        self.requests: list[list] = []  # each attempt's StartRequests
-        self.latest_checkpoint: str | None = None
-        self.replacements_lost = 0  # how many replacements die while being prepared
-
-    def stored_state(self) -> str:
-        return self.store.status(self.job_id).state.value
-
-    def reserve(self, timeout_s, on_pending, check_stop) -> None:
-        self.calls.append("reserve")
-        if self.unplaceable:
-            on_pending("needs 2 nodes with GPU 8 each; 0 of 1 alive node have that much")
-            raise NodeGroupError(f"could not be scheduled within {timeout_s:g} s: no room")
-
-    def placed_nodes(self) -> list[str]:
-        return [f"node-{rank}" for rank in range(self.size)]
-
-    def create(self) -> None:
-        self.calls.append("create")
-
-    def prepare(self, request, check_stop, ranks=None) -> list[PreparedNode]:
-        self.calls.append("prepare" if ranks is None else f"prepare {ranks}")
-        if ranks is not None and self.replacements_lost:
-            self.replacements_lost -= 1
-            raise NodeLostError("preparing the node failed: ActorDiedError: its node died")
-        self.during_prepare()
-        check_stop()
-        return [
-            PreparedNode(rank, f"node-{rank}", "10.0.0.1", f"host-{rank}", f"/work/rank-{rank}")
-            for rank in (range(self.size) if ranks is None else ranks)
-        ]
-
-    def start(self, requests, on_lines) -> None:
-        self.calls.append("start")
-        attempt = len(self.requests)
-        self.requests.append(requests)
-        endings = self.later_endings[attempt - 1] if attempt else self.endings
-        self.runs = [RankRun(rank) for rank in range(self.size)]
-        for run, ending in zip(self.runs, endings, strict=True):
-            on_lines([f"[rank {run.rank}] started in {requests[run.rank].cwd}"])
-            if attempt in self.lose and run.rank == self.lose[attempt]:
-                run.lost = RuntimeError("ActorDiedError: the node died\nnode 10.0.0.1 is gone")
-                run.done.set()
-            elif ending is not KEEP_RUNNING:
-                run.ended = ending
-                run.done.set()
-
-    def stop(self, grace_s: float) -> str | None:
-        self.calls.append("stop")
-        for run in self.runs:
-            if not run.done.is_set():
-                run.ended = CommandsEnded(exit_code=-15, stopped=True)
-                run.done.set()
-        return None
-
-    def draining(self) -> dict[int, float]:
-        return {}
-
-    def fault_of(self, run: RankRun) -> Fault:
-        if run.lost is None:
-            return Fault(FaultKind.COMMAND_FAILED, run.failure().cause, run.rank)
-        why = f"rank {run.rank}'s node node-{run.rank} was lost"
-        return Fault(FaultKind.NODE_LOST, why, run.rank, f"node-{run.rank}")
-
-    def lost_elsewhere(self) -> Fault | None:
-        lost = next((r for r in self.runs if r.lost is not None), None)
-        return self.fault_of(lost) if lost else None
-
-    def replace(self, ranks, timeout_s, on_pending, check_stop) -> None:
-        self.calls.append(f"replace {ranks}")
-        on_pending(f"placing rank(s) {ranks} again")
-
-    def write_back_cache(self, leader_node_id, wait_s):
-        raise AssertionError("these jobs have no training cache")
-
-    def release(self, keep_checkpoints: bool) -> None:
-        self.calls.append(f"release (stored state {self.stored_state()})")
-
 
 CONFIG = """
 from orchestrator import definitions as d
@@ -194,7 +47,10 @@ def job(tmp_path: Path, monkeypatch):
     fake nodes."""
     monkeypatch.setenv("ORCHESTRATOR_HOME", str(tmp_path / "home"))
 
-    def make(nodes: int = 2, checkpointing: bool = False, retry: RetryPolicy | None = None):
+    def make(
+        nodes: int = 2, checkpointing: bool = False, retry: RetryPolicy | None = None,
+        scheduling_timeout_s: float = 5,
+    ):  # fmt: skip
         config = tmp_path / "job" / "config.py"
         config.parent.mkdir(exist_ok=True)
         config.write_text(textwrap.dedent(CONFIG.format(nodes=nodes, checkpointing=checkpointing)))
@@ -202,10 +58,9 @@ def job(tmp_path: Path, monkeypatch):
         root = StorageRoot(str(tmp_path / "storage"))
         record = store_job(prepare_job(config), root, "jseq00001", ray_address=None, retry=retry)
         store = JobStore(root)
-        fake = FakeNodes(store, record.job_id, nodes)
-        if checkpointing:
-            fake.uploaders = FakeUploaders(fake)
-        controller = JobController(store, record.job_id, 5, node_group=lambda r, say: fake,
+        job_nodes, fake, _ = fake_nodes(store, record, nodes, checkpointing)
+        controller = JobController(store, record.job_id, scheduling_timeout_s,
+                                   nodes=lambda r, say: job_nodes,
                                    queue=lambda r, say: OpenQueue())  # fmt: skip
         return controller, fake, JobHandle(store, record)
 
@@ -249,6 +104,7 @@ def test_a_rank_lost_with_its_node_fails_the_job_naming_it(job):
 
     def start_then_lose(requests, on_lines):
         original_start(requests, on_lines)
+        nodes.cluster.kill("node-0")
         nodes.runs[0].lost = RuntimeError("ActorDiedError: the node died\nnode 10.0.0.1 is gone")
         nodes.runs[0].done.set()
 
@@ -261,6 +117,26 @@ def test_a_rank_lost_with_its_node_fails_the_job_naming_it(job):
         "(--retries, ORCHESTRATOR_MAX_RETRIES))"
     )
     assert handle.details().attempts[0].cause == "node_lost"
+    assert handle.details().attempts[0].reason == "rank 0's node node-0 was lost"
+
+
+def test_a_rank_whose_agent_dies_on_a_live_node_is_an_agent_lost(job):
+    """The fault judge looks at the node: alive, its raylet answering, so the agent alone died."""
+    controller, nodes, handle = job()
+    nodes.endings = [KEEP_RUNNING, KEEP_RUNNING]
+    original_start = nodes.start
+
+    def start_then_lose_the_agent(requests, on_lines):
+        original_start(requests, on_lines)
+        nodes.runs[1].lost = RuntimeError("ActorDiedError: the worker died")
+        nodes.runs[1].done.set()
+
+    nodes.start = start_then_lose_the_agent
+    assert controller.run() == JobState.FAILED
+    attempt = handle.details().attempts[0]
+    assert attempt.cause == "agent_lost" and attempt.node_id == "node-1"
+    assert attempt.reason.startswith("rank 1's node agent died (RuntimeError: ")
+    assert attempt.reason.endswith("; its node lives")
 
 
 def test_a_stop_while_deploying_records_stopped_and_runs_no_command(job):
@@ -273,13 +149,18 @@ def test_a_stop_while_deploying_records_stopped_and_runs_no_command(job):
 
 
 def test_a_job_that_cannot_be_placed_says_why_while_pending_then_fails_to_deploy(job):
-    controller, nodes, handle = job()
-    nodes.unplaceable = True
+    controller, nodes, handle = job(scheduling_timeout_s=1)
+    nodes.groups.placeable = False  # the nodes are big enough, but busy
     assert controller.run() == JobState.DEPLOY_FAILED
     history = handle.details().history
     assert [e.state.value for e in history] == ["CREATED", "PENDING", "DEPLOY_FAILED"]
-    assert history[1].reason.startswith("needs 2 nodes with GPU 8 each")
-    assert handle.details().failure.cause == "could not be scheduled within 5 s: no room"
+    busy = "2 of 2 alive nodes have that much in total but their resources are in use by other work"
+    assert history[1].reason.startswith("needs 2 nodes with CPU ") and history[1].reason.endswith(
+        busy
+    )
+    assert (
+        handle.details().failure.cause == f"could not be scheduled within 1 s: {history[1].reason}"
+    )
     assert "create" not in nodes.calls
 
 

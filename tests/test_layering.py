@@ -98,3 +98,15 @@ def test_a_submodule_import_from_the_package_loads_no_spec():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+MAX_LINES = 450  # a module a newcomer reads in one sitting (../shared/STYLE.md)
+
+
+def test_no_module_is_longer_than_a_sitting():
+    long = sorted(
+        f"{path.relative_to(PACKAGE.parent)}: {n} lines"
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    )
+    assert not long, "split these: " + "; ".join(long)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.agents.messages import UploaderFlush, UploaderPoll
+from orchestrator.agents.messages import StoredCheckpoint, UploaderFlush, UploaderPoll
 from orchestrator.node.checkpoint_rules import EntryKind, read_earlier_checkpoints, top_level
 from orchestrator.node.checkpoint_tracking import (
     RENAMED,
@@ -65,7 +65,7 @@ class CheckpointUploader:
         self.events: list[str] = []
         retry = StorageRetry(storage_root, outage_s, say=self._event)
         self.store = CheckpointStore(StorageRoot(storage_root, retry))
-        dirs = RankDirs.of(job_id, rank)
+        self.dirs = dirs = RankDirs.of(job_id, rank)
         self.job_dir = dirs.base
         self.local_dir = Path(local_dir) if local_dir else dirs.checkpoints
         self.settings = UploadSettings.model_validate(settings)
@@ -79,6 +79,7 @@ class CheckpointUploader:
         self._started = threading.Event()  # watching: the baseline is known, renames are seen
         self._last_recheck = 0.0
         self._scans_done = 0  # scans finished (polled): the tracker counts those begun
+        self._last_stored: StoredCheckpoint | None = None  # the newest stored complete
         self._lock = threading.Lock()  # one scan (and upload) at a time
         self._done = UploadStats()  # what this uploader has stored (the backlog is worked out)
         self._stop = threading.Event()
@@ -102,8 +103,9 @@ class CheckpointUploader:
         if since > len(self.events):  # a restarted uploader starts a new list
             since = 0
         return UploaderPoll(
-            self.events[since:], len(self.events), self.over_volume, self._scans_done
-        )
+            self.events[since:], len(self.events), self.over_volume, self._scans_done,
+            self._last_stored,
+        )  # fmt: skip
 
     def upload_stats(self) -> UploadStats:
         """The backlog now and what was uploaded: the node agent samples it beside the rank's
@@ -181,7 +183,7 @@ class CheckpointUploader:
             )
 
     def _set_aside(self, number: int, newer: set[str], resume: str | None) -> None:
-        """Move out of the directory, to `set-aside/attempt-<number>/` beside it (kept on the
+        """Move out of the directory, to `set-aside/attempt-<number>/` in the rank's (kept on the
         node; their stored copies stay): checkpoints not stored complete (an interrupted
         save) and those newer than the job's resume point."""
         for name, t in self.tracker.tracked.items():
@@ -196,7 +198,7 @@ class CheckpointUploader:
                 why = f"it was not complete when the last attempt ended ({stored})"
             else:
                 continue
-            place = self.job_dir / "set-aside" / f"attempt-{number}" / name
+            place = self.dirs.set_aside(number) / name
             place.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(self.local_dir / name, place)
             self._event(f"{name} moved to {place}: {why}; attempt {number} resumes from "
@@ -338,6 +340,8 @@ class CheckpointUploader:
                 )
             return
         t.stored, t.failed, t.failed_said = manifest, None, None
+        if not incomplete:
+            self._last_stored = StoredCheckpoint(name, time.time())
         took = time.monotonic() - start
         done, size = self._done, manifest.size_bytes
         self._done = done.model_copy(update={

@@ -40,8 +40,9 @@ class CacheRequest:
 
 @dataclass(frozen=True)
 class ImageRequest:
-    """The job's image, pulled onto the node while it is prepared (container runtime);
-    `registry` and `secret_name`: docker_auth's REGISTRY_SECRET, resolved on the node."""
+    """The job's image, pulled onto the node while it is prepared (agents/runtimes.py
+    `image_pull`); `registry` and `secret_name`: docker_auth's REGISTRY_SECRET, resolved on
+    the node."""
 
     image: str
     registry: str | None = None
@@ -148,16 +149,6 @@ class MetricsRequest:
 
 
 @dataclass(frozen=True)
-class ContainerRequest:
-    """Run the rank's commands in a container of `image` (node/podman.py), with the compute
-    request's memory and CPUs as its limits."""
-
-    image: str
-    memory_bytes: int | None = None
-    cpus: float | None = None
-
-
-@dataclass(frozen=True)
 class OutputLines:
     """Lines the rank's commands printed (tagged, secrets masked). With `continues`, the last
     line goes on in the next item: a long line comes in pieces, each small enough for Ray to
@@ -180,6 +171,14 @@ class CommandsEnded:
 
 
 @dataclass(frozen=True)
+class StoredCheckpoint:
+    """A checkpoint a rank's uploader stored in the storage root, and when (epoch seconds)."""
+
+    name: str
+    at: float
+
+
+@dataclass(frozen=True)
 class UploaderPoll:
     """A rank's checkpoint uploader while the job runs: its events since the cursor."""
 
@@ -187,6 +186,7 @@ class UploaderPoll:
     next: int  # the cursor for the next poll
     over_volume: str | None = None  # the checkpoint directory is over volume_size_gib: why
     scans: int = 0  # scans of the directory completed: what "nothing happened yet" waits on
+    last_stored: StoredCheckpoint | None = None  # the newest checkpoint it stored complete
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,7 @@ samples the rank's resources.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +25,6 @@ from orchestrator.agents.command_runner import CommandRunner
 from orchestrator.agents.job_shell_service import JobShellService
 from orchestrator.agents.messages import (
     CommandsEnded,
-    ContainerRequest,
     Group,
     MetricsRequest,
     OutputLines,
@@ -40,9 +37,9 @@ from orchestrator.agents.rank_program import RankContext, StartRequest
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.node.node_root import RankDirs
-from orchestrator.node.podman import Container
-from orchestrator.node.secrets import SECRET_ENV_PREFIX, SecretMasker, resolve_secret
+from orchestrator.node.secrets import SecretMasker, resolve_secret
 from orchestrator.storage.logs import rank_line
+from orchestrator.storage.metrics import MetricsSample
 from orchestrator.storage.records import NodeInfo
 from orchestrator.storage.root import StorageRoot
 
@@ -120,48 +117,25 @@ class NodeAgent:
         group_env = group_environment(self.rank, group, request.gpus_per_node)
         if address := _cluster_address():
             group_env[RAY_ADDRESS_ENV] = address
-        # The node's secret store (ORCHESTRATOR_SECRET_*) is not the job's to read: it gets only
-        # the secrets it names, under the names it chose.
-        node_env = {k: v for k, v in os.environ.items() if not k.startswith(SECRET_ENV_PREFIX)}
         mounts = self.preparer.cache_mounts
         cache_env = mounts.env if mounts else {}
-        job_env = {**cache_env, **request.env, **group_env, **values}
-        container = self._container(request.runtime.container_request())
-        if container is not None:  # the image's own environment, and the job's: none of ours
-            # Its GPUs numbered from 0; a CUDA_VISIBLE_DEVICES the job sets wins, as on the host.
-            full_env = {**self.preparer.gpus.env, **job_env}
-        else:
-            full_env = {**node_env, **job_env}
-            # The node's own environment: `python`, `pip`, `torchrun` are those Ray runs with.
-            path = full_env.get("PATH", "")
-            full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{path}"
-        self.shell.commands_started(full_env, request.cwd, mask, container)
+        # Where the rank runs (the host, or its container: node/rank_runtime.py) and all it sees.
+        runtime = request.runtime.on_node(self.preparer.place())
+        env = runtime.environment({**cache_env, **request.env, **group_env, **values})
+        self.shell.commands_started(env, request.cwd, mask, runtime)
         if request.metrics is not None:
             try:
                 self._start_sampling(request.metrics)
             except Exception as e:  # the job runs on without its samples, saying why
                 yield OutputLines([self._tag(f"resource sampling did not start: {e!r}")])
         context = RankContext(
-            rank=self.rank, env=full_env, cwd=request.cwd, mask=mask, runner=self.runner,
-            container=container, before_end=self._end_sampling, tag=self._tag,
+            rank=self.rank, env=env, cwd=request.cwd, mask=mask, runner=self.runner,
+            runtime=runtime, before_end=self._end_sampling, tag=self._tag,
         )  # fmt: skip
         try:
             yield from request.program.run(context)
         finally:
             self._end_sampling()  # a closed stream (otherwise it ended before the ending was said)
-
-    def _container(self, request: ContainerRequest | None) -> Container | None:
-        """The rank's container of the job's image, seeing what the job was given here."""
-        if request is None:
-            return None
-        binds, read_only = self.preparer.binds()
-        gpus = self.preparer.gpus
-        return Container(
-            name=self.actor_name, image=request.image, status_file=str(self.dirs.base / "failed"),
-            binds=(*binds, *gpus.binds), read_only=(*read_only, *(i for _, i in gpus.binds)),
-            memory_bytes=request.memory_bytes, cpus=request.cpus,
-            digest=self.preparer.image_digest, devices=gpus.devices,
-        )  # fmt: skip
 
     def _start_sampling(self, request: MetricsRequest) -> None:
         """Sample this rank's resources until its commands end (node/node_metrics.py)."""
@@ -192,6 +166,12 @@ class NodeAgent:
             metrics, self.storage.url, root_pid=self.runner.pid, dirs=self._sampled_dirs,
             disk_of=self.dirs.base, gpus=gpus, uploads=uploads, gauges=gauges,
         )  # fmt: skip
+
+    def last_sample(self) -> MetricsSample | None:
+        """This rank's latest resource sample (None before the first): the controller's polls
+        see whether the rank's processes still use CPU or GPUs."""
+        metrics = self._metrics
+        return metrics.samples[-1] if metrics is not None and metrics.samples else None
 
     def _end_sampling(self) -> None:
         sampler, self._sampler = self._sampler, None

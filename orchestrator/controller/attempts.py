@@ -15,13 +15,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from orchestrator import settings
 from orchestrator.agents.messages import MetricsRequest
-from orchestrator.agents.rank_program import StartRequest, program_for
-from orchestrator.agents.runtimes import runtime_for
+from orchestrator.agents.rank_program import StartRequest
 from orchestrator.controller.checkpointing import RestoreFailed, Uploaders
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.failure_policy import (
+    NEVER_RETRIED,
     Action,
     FailureDecision,
     FailurePolicy,
@@ -29,15 +28,16 @@ from orchestrator.controller.failure_policy import (
     FaultKind,
 )
 from orchestrator.controller.job_run import JobRun
-from orchestrator.controller.node_group import NodeGroup, NodeGroupError, NodeLostError, RankRun
+from orchestrator.controller.plan import GroupPlan, PlanPolicy
+from orchestrator.controller.rank_group import GroupError, GroupPoll, RankGroup, RankLostError
 from orchestrator.controller.run_port import RunPort
+from orchestrator.controller.watchers import WatchScope, watchers_for
 from orchestrator.controller.weights import record_deliveries
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.storage.records import Attempt, Failure, NodeInfo
 
 POLL_S = 0.2
-DRAIN_POLL_S = 1.0  # how often the nodes are asked whether one is being preempted
 PEER_SETTLE_S = 1.0  # after a command fails, how long a peer's loss may take to be told
 STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL: a stop's, a fault's without a preemption deadline
 NOTICE_SHARE = 2 / 3  # of a preemption notice, the commands' share; the rest is for uploads
@@ -45,27 +45,28 @@ NOTICE_SHARE = 2 / 3  # of a preemption notice, the commands' share; the rest is
 
 @dataclass(frozen=True)
 class AttemptEnd:
-    """How an attempt ended: every command exited 0, or a fault, or the checkpoint volume."""
+    """How an attempt ended: every rank well (no fault), or a fault and what the job's failure
+    says if this attempt ends it."""
 
     fault: Fault | None = None
-    failure: Failure | None = None  # what the job's failure says if this attempt ends it
-    over_volume: str | None = None
-    deadline: float = 0.0  # a preemption notice's: when the node goes (epoch seconds)
+    failure: Failure | None = None
 
 
 class Attempts:
     """Runs the job's attempts: the status through `job` (its JobRun), the nodes, the queue and
-    the job's end through `port` (the controller, or a fake of it)."""
+    the job's end through `port` (the controller, or a fake of it). `plan` is attempt 0's, on
+    which the port placed the job; `plans` decides each later one's."""
 
-    def __init__(self, job: JobRun, port: RunPort) -> None:
+    def __init__(self, job: JobRun, port: RunPort, plan: GroupPlan, plans: PlanPolicy) -> None:
         self.job = job
         self.port = port
+        self.plan, self.plans = plan, plans
         self.policy = FailurePolicy(job.record.retry)
         self.faults: list[Fault] = []
 
     @property
-    def nodes(self) -> NodeGroup:
-        return self.port.nodes
+    def group(self) -> RankGroup:
+        return self.port.nodes.group
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -74,13 +75,9 @@ class Attempts:
         number, resumed = 0, None
         end = self._run_one(number, resumed)
         while True:
-            if end.fault is None and end.over_volume is None:
+            if end.fault is None:
                 self._record_end(None, "completed")
                 self.port.complete()
-                return
-            if end.fault is None:  # over the checkpoint volume: not a fault to retry
-                self._record_end(None, f"failed: {end.over_volume}")
-                self.port.fail(JobState.FAILED, Failure(cause=str(end.over_volume)))
                 return
             if end.fault.kind == FaultKind.PREEMPTED_BY_JOB:  # not a fault: no retry used
                 self._record_end(end.fault, "gave way: back in the queue, to resume later")
@@ -98,7 +95,7 @@ class Attempts:
             self._record_end(end.fault, f"retried: {decision.why}")
             stopper = self._stop_attempt(end)
             unsettled: tuple[AttemptEnd, threading.Thread] | None = (end, stopper)
-            if end.deadline:  # stored before the preempted node goes, then replaced
+            if end.fault.deadline:  # stored before the preempted node goes, then replaced
                 self._store_attempt(end, stopper)
                 unsettled = None
             number += 1
@@ -117,25 +114,25 @@ class Attempts:
     def _run_one(self, number: int, resumed: str | None) -> AttemptEnd:
         job = self.job
         job.check_stop()
-        requests = self._requests(number)
+        plan = self.plan
+        requests = self._requests(plan, number)
         attempt = Attempt(number=number, started_at=time.time(), resumed_from=resumed)
         attempts = [*job.status.attempts, attempt]
-        commands = len(job.record.spec.job.runtime.start_commands)
         if number == 0:
-            job.transition(JobState.RUNNING, f"running {commands} command(s)", attempts=attempts)
+            job.transition(JobState.RUNNING, f"running {plan.describe()}", attempts=attempts)
             job.running_since = time.time()
         else:
             job.say(f"==== attempt {number} (BT_RETRY_COUNT={number}) ====")
             how = f"from checkpoint {resumed}" if resumed else "from the start"
             job.transition(
                 JobState.RUNNING,
-                f"attempt {number}: running {commands} command(s) again, {how}",
+                f"attempt {number}: running {plan.describe()} again, {how}",
                 attempts=attempts,
             )
-        self.nodes.start(requests, job.lines)
-        return self._follow(self.nodes.runs)
+        self.group.start(requests, job.lines)
+        return self._follow(WatchScope(job, self.port, plan))
 
-    def _requests(self, number: int) -> list[StartRequest]:
+    def _requests(self, plan: GroupPlan, number: int) -> list[StartRequest]:
         record = self.job.record
         job = record.spec.job
         secrets = {
@@ -143,15 +140,14 @@ class Attempts:
             for var, ref in job.runtime.environment_variables.items()
             if isinstance(ref, SecretReference)
         }
-        runtime = runtime_for(job)
-        program = program_for(job)
+        nodes = self.job.status.nodes
         return [
             StartRequest(
-                program=program,
-                env=job_environment(record, node, number),
+                program=rank.program,
+                env=job_environment(record, nodes[rank.rank], number),
                 secrets=secrets,
-                cwd=workdir(node, record.archive.config_dir),
-                gpus_per_node=job.compute.gpus_per_node,
+                cwd=workdir(nodes[rank.rank], record.archive.config_dir),
+                gpus_per_node=int(rank.bundle.get("GPU", 0)),
                 metrics=MetricsRequest(
                     project=record.project,
                     interval_s=record.metrics_interval_s,
@@ -159,51 +155,38 @@ class Attempts:
                     cpu_request=job.compute.cpu_count,
                     checkpointing=job.runtime.checkpointing_config.enabled,
                 ),
-                runtime=runtime,
+                runtime=plan.runtime,
             )
-            for node in self.job.status.nodes
+            for rank in plan.ranks
         ]
 
-    def _follow(self, runs: list[RankRun]) -> AttemptEnd:
-        """Until every rank has ended, one has failed or been lost, or a node is preempted."""
-        uploaders = self.nodes.uploaders
-        next_drain_check = 0.0
-        while not all(r.done.is_set() for r in runs):
-            self.job.check_stop()
-            if time.monotonic() >= next_drain_check:
-                next_drain_check = time.monotonic() + DRAIN_POLL_S
-                if drains := self.nodes.draining():
-                    rank, deadline = min(drains.items(), key=lambda item: item[1] or 1e18)
-                    node_id = self.job.status.nodes[rank].node_id
-                    until = f"{deadline - time.time():.0f} s" if deadline else "no deadline"
-                    why = f"rank {rank}'s node {node_id[:12]} is being preempted ({until} left)"
-                    fault = Fault(FaultKind.PREEMPTED, why, rank, node_id)
-                    return AttemptEnd(fault, Failure(cause=why, node_rank=rank), None, deadline)
-            if why := self.port.preemption():
-                grace = settings.PREEMPTION_GRACE_S.get()
-                fault = Fault(FaultKind.PREEMPTED_BY_JOB, why)
-                return AttemptEnd(fault, Failure(cause=why), None, time.time() + grace)
-            if any(r.failed for r in runs):
-                break
-            if uploaders is not None:
-                events, over_volume = uploaders.poll()
-                self.job.lines(events)
-                if over_volume:
-                    return AttemptEnd(over_volume=over_volume)
-            # Woken by a rank's end (the job's, for one node), not a poll's later look.
-            if (running := next((r for r in runs if not r.done.is_set()), None)) is not None:
-                running.done.wait(POLL_S)
-        failed = next((r for r in runs if r.failed and r.lost is not None), None)
-        failed = failed or next((r for r in runs if r.failed), None)
+    def _follow(self, scope: WatchScope) -> AttemptEnd:
+        """Poll the group until every rank has ended, one has failed or been lost, or a
+        watcher says a fault (a stop, a preemption, the checkpoint volume, ...)."""
+        watchers = watchers_for(scope)
+        while True:
+            poll = self.group.poll()
+            self.job.lines(list(poll.checkpoint_lines))
+            for watcher in watchers:
+                if (fault := watcher.watch(poll)) is not None:
+                    return AttemptEnd(fault, Failure(cause=fault.reason, node_rank=fault.rank))
+            if poll.ended or poll.failed is not None:
+                return self._judge(poll)
+            self.group.wait(POLL_S)
+
+    def _judge(self, poll: GroupPoll) -> AttemptEnd:
+        """The attempt's end from its last poll: a rank's fault, or none."""
+        failed = poll.failed
         if failed is None:
             return AttemptEnd()
-        fault = self.nodes.fault_of(failed)
-        if fault.kind == FaultKind.COMMAND_FAILED and len(runs) > 1:
+        judge, node_ids = self.port.nodes.judge, self.group.node_ids
+        fault = judge.fault_of(failed, node_ids.get(failed.rank))
+        if fault.kind == FaultKind.COMMAND_FAILED and len(poll.ranks) > 1:
             # A rank whose peer vanished fails too (a broken collective): the peer's loss is
             # the attempt's cause. It may be told a moment after the failure.
             time.sleep(PEER_SETTLE_S)
-            fault = self.nodes.lost_elsewhere() or fault
-        return AttemptEnd(fault, failed.failure())
+            fault = judge.lost_elsewhere(self.group.poll(), node_ids) or fault
+        return AttemptEnd(fault, failed.failure)
 
     # --- between attempts ------------------------------------------------------------------
 
@@ -214,8 +197,8 @@ class Attempts:
         assert fault is not None
         job.say(f"attempt {len(job.status.attempts) - 1} ended: {fault.reason}")
         grace = STOP_GRACE_S
-        if end.deadline:  # a preemption notice: the commands save, the uploader stores
-            left = max(0.0, end.deadline - time.time())
+        if fault.deadline:  # a preemption notice: the commands save, the uploader stores
+            left = max(0.0, fault.deadline - time.time())
             grace = max(1.0, left * NOTICE_SHARE)
             job.say(
                 f"preemption notice: SIGTERM to every rank's commands now; they have "
@@ -223,7 +206,7 @@ class Attempts:
             )
 
         def stop() -> None:
-            if error := self.nodes.stop(grace):
+            if error := self.group.stop(grace):
                 job.say(f"stopping the commands: {error}")
 
         stopper = threading.Thread(target=stop, name="stop-attempt", daemon=True)
@@ -234,15 +217,15 @@ class Attempts:
         """Once every process of the attempt is gone, its checkpoints stored: no rank of this
         attempt may write into the next one's."""
         stopper.join()
-        uploaders = self.nodes.uploaders
+        uploaders = self.group.uploaders
         if uploaders is None:
             return
-        runs = self.nodes.runs
+        runs = self.group.runs
         for run in runs:
             run.done.wait(5.0)  # a stopped rank's result follows its exit closely
         upload_s = uploaders.flush_timeout_s
-        if end.deadline:
-            upload_s = max(5.0, end.deadline - time.time())
+        if end.fault is not None and end.fault.deadline:
+            upload_s = max(5.0, end.fault.deadline - time.time())
         # A lost node's uploader went with it; a lost agent's (its node lives) still uploads.
         lost = {r.rank for r in runs if r.lost is not None}
         if end.fault is not None and end.fault.kind == FaultKind.AGENT_LOST:
@@ -261,6 +244,7 @@ class Attempts:
         once it is `unsettled` no more (its processes gone, its checkpoints stored) put every
         rank at the resume point. The checkpoint the next attempt resumes from."""
         job = self.job
+        self.plan = self._next_plan(number)
         ranks = self._to_replace(fault)
         what = f"rank(s) {', '.join(map(str, ranks))} placed again" if ranks else "a restart"
         job.transition(JobState.PENDING, f"{fault.reason}; {decision.why}: waiting for {what}")
@@ -273,7 +257,7 @@ class Attempts:
         if ranks:
             try:
                 self.port.replace(ranks)
-            except NodeGroupError as e:
+            except GroupError as e:
                 raise Unrecoverable(str(e)) from None
             job.transition(JobState.DEPLOYING, f"preparing rank(s) {', '.join(map(str, ranks))}")
             self._prepare_again(ranks, number)
@@ -283,7 +267,7 @@ class Attempts:
             )
         if unsettled is not None:
             self._store_attempt(*unsettled)
-        uploaders = self.nodes.uploaders
+        uploaders = self.group.uploaders
         if uploaders is None:
             return None
         uploaders.wait_ready()
@@ -302,19 +286,30 @@ class Attempts:
         """After the queue preempted the job (its commands stopped, its checkpoints stored):
         give its nodes back, wait to be admitted again, place and prepare every rank anew and
         put each at the latest checkpoint. The checkpoint attempt `number` resumes from."""
-        old = self.nodes.uploaders
+        old = self.group.uploaders
         earlier = old.earlier() if old is not None else {}
         unstored = any(e.state in ("pending", "failed") for e in earlier.values())
-        self.port.requeue(fault.reason, keep_checkpoints=unstored)
-        uploaders = self.nodes.uploaders
+        self.plan = self.plans.plan(number, self.plan)  # on nodes placed anew: any size
+        self.port.requeue(fault.reason, keep_checkpoints=unstored, plan=self.plan)
+        uploaders = self.group.uploaders
         if uploaders is None:
             self.job.say(f"no checkpointing: attempt {number} starts from the beginning")
             return None
         uploaders.carry(earlier)
         return self._restore(uploaders, number)
 
+    def _next_plan(self, number: int) -> GroupPlan:
+        """Attempt `number`'s plan, on the group the last one ran on."""
+        plan = self.plans.plan(number, self.plan)
+        if plan.size != self.plan.size:
+            raise Unrecoverable(
+                f"attempt {number} was planned with {plan.size} rank(s) on a group of "
+                f"{self.plan.size}: resizing a placed group is not built yet"
+            )
+        return plan
+
     def _to_replace(self, fault: Fault) -> list[int]:
-        ranks = {r.rank for r in self.nodes.runs if r.lost is not None}
+        ranks = {r.rank for r in self.group.runs if r.lost is not None}
         if fault.kind in (FaultKind.NODE_LOST, FaultKind.AGENT_LOST, FaultKind.PREEMPTED):
             assert fault.rank is not None
             ranks.add(fault.rank)
@@ -324,11 +319,11 @@ class Attempts:
         job = self.job
         try:
             prepared = self.port.prepare(ranks)
-        except NodeLostError as e:  # the replacement went too: a fault like any other
+        except RankLostError as e:  # the replacement went too: a fault like any other
             which = ", ".join(map(str, ranks))
             why = f"rank(s) {which} lost again while being prepared ({e})"
             raise ReplacementLost(Fault(FaultKind.NODE_LOST, why, ranks[0])) from None
-        except NodeGroupError as e:
+        except GroupError as e:
             raise Unrecoverable(str(e)) from None
         nodes = list(job.status.nodes)
         for p in prepared:
@@ -358,8 +353,9 @@ class Attempts:
     def _final_failure(self, end: AttemptEnd, decision: FailureDecision) -> Failure:
         assert end.fault is not None and end.failure is not None
         failure = end.failure
-        cause = failure.cause
-        if end.fault.kind != FaultKind.COMMAND_FAILED or self.job.record.retry.retries:
+        cause, kind = failure.cause, end.fault.kind
+        retriable = kind != FaultKind.COMMAND_FAILED or self.job.record.retry.retries
+        if kind not in NEVER_RETRIED and retriable:
             cause += f" ({decision.why})"  # why a fault that could be retried was not
         causes = attempt_causes(self.job.status.attempts)
         if len(causes) > 1:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.agents.checkpoint_uploader import CheckpointUploader
+from orchestrator.agents.messages import StoredCheckpoint
 from orchestrator.agents.node_agent import uploader_name
 from orchestrator.agents.services import NAMESPACE, actor_class
 from orchestrator.errors import CheckpointNotFound, JobNotFound, RestoreFailed
@@ -123,9 +123,10 @@ def _record_of(job_id: str, store: JobStore, where: str) -> JobRecord:
 class Uploaders:
     """One CheckpointUploader per rank, in that rank's bundle; polled while the job runs."""
 
-    def __init__(self, record: JobRecord, pg: PlacementGroup, group_size: int) -> None:
+    def __init__(self, record: JobRecord, bundle: Callable[[int], Any], group_size: int) -> None:
         """Started with the agents, so their workers start while the nodes prepare; each
-        watches once its agent has noted what the checkpoint directory held before the job."""
+        watches once its agent has noted what the checkpoint directory held before the job.
+        `bundle(rank)`: the scheduling strategy that puts an actor in that rank's bundle."""
         checkpointing = record.spec.job.runtime.checkpointing_config
         settings = record.checkpoint_upload.model_dump()
         self.actors = [
@@ -137,9 +138,7 @@ class Uploaders:
                 # A killed uploader comes back and redoes what it had not committed.
                 max_restarts=-1,
                 max_task_retries=-1,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank
-                ),
+                scheduling_strategy=bundle(rank),
             )
             .remote(
                 record.project_key,
@@ -156,6 +155,7 @@ class Uploaders:
         self.flush_timeout_s = record.checkpoint_upload.flush_timeout_s
         self._cursors = [0] * len(self.actors)
         self._last_poll = 0.0
+        self.last_stored: dict[int, StoredCheckpoint] = {}  # rank -> its newest stored
         # What earlier attempts' ends found, by "rank-N/name": a lost node's uploader starts
         # again knowing nothing of them.
         self._earlier: dict[str, CheckpointEntry] = {}
@@ -183,6 +183,8 @@ class Uploaders:
             lines += state.events
             self._cursors[i] = state.next
             over = over or state.over_volume
+            if state.last_stored is not None:
+                self.last_stored[i] = state.last_stored
         return lines, over
 
     def end_attempt(self, endings: list[RankEnding], timeout: float, lost: set[int]) -> list[str]:

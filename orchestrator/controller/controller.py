@@ -18,7 +18,6 @@ from typing import Any, TextIO
 import ray
 
 from orchestrator.agents.messages import PreparedNode
-from orchestrator.agents.runtimes import runtime_for
 from orchestrator.agents.secret_service import start_secret_service
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.controller.attempts import (
@@ -29,10 +28,11 @@ from orchestrator.controller.attempts import (
 )
 from orchestrator.controller.checkpointing import RankEnding
 from orchestrator.controller.deployment import DeployFailed, Deployment
+from orchestrator.controller.job_nodes import JobNodes, NodesFactory, ray_job_nodes
 from orchestrator.controller.job_run import JobRun, JobStopped, StorageLost
-from orchestrator.controller.node_group import NodeGroup, short_error
+from orchestrator.controller.plan import GroupPlan, SpecPlan
 from orchestrator.controller.queueing import JobQueue, RayJobQueue
-from orchestrator.controller.ray_node_group import RayNodeGroup
+from orchestrator.controller.rank_group import short_error
 from orchestrator.controller.session import hold_until, requested_until
 from orchestrator.controller.training_cache import write_back_line
 from orchestrator.lifecycle import CHECKPOINTS_NOT_STORED_EXIT, OUTCOME_NOT_STORED_EXIT, JobState
@@ -47,12 +47,12 @@ STOP_FLUSH_S = 40.0  # within the 60 s RAY_JOB_STOP_WAIT_TIME_S, after the comma
 RESULT_WAIT_S = 5.0  # for a stopped rank's result to come through its stream
 SESSION_POLL_S = 1.0  # a held job looks for `isession` requests and a stop this often
 
-NodeGroupFactory = Callable[[JobRecord, Callable[[str], None]], NodeGroup]
 QueueFactory = Callable[[JobRecord, Callable[[str], None]], JobQueue]
 
 
 class JobController:
-    """The job's sequence: each step recorded before the next; the nodes are a NodeGroup.
+    """The job's sequence: each step recorded before the next; its nodes are JobNodes (where
+    the ranks are placed, the ranks, the judge of faults), made by `nodes`.
 
     It is the RunPort its attempts drive (run_port.py): they decide, it acts on the nodes and
     the queue and ends the job.
@@ -63,7 +63,7 @@ class JobController:
         store: JobStore,
         job_id: str,
         scheduling_timeout_s: float,
-        node_group: NodeGroupFactory = RayNodeGroup,
+        nodes: NodesFactory = ray_job_nodes,
         queue: QueueFactory = RayJobQueue,
         echo: TextIO | None = None,
     ) -> None:
@@ -74,9 +74,10 @@ class JobController:
         outage_s = self.record.storage.outage_s
         store.root.retry = StorageRetry(store.root.url, outage_s, say=self.job_run.say)
         self.unstored: list[str] = []  # what could not be stored when the job ended
-        self.runtime = runtime_for(self.record.spec.job)
-        self.node_group = node_group
-        self._nodes: NodeGroup = node_group(self.record, self.job_run.say)
+        self.plans = SpecPlan(self.record)
+        self.plan = self.plans.plan(0)  # the first attempt's: what the job is placed for
+        self.make_nodes = nodes
+        self._nodes: JobNodes = nodes(self.record, self.job_run.say)
         self.queue: JobQueue = queue(self.record, self.job_run.say)
         self.deployment = Deployment(self.job_run, store, self.queue, scheduling_timeout_s)
 
@@ -96,15 +97,15 @@ class JobController:
         if run.status.state.is_terminal:
             run.say(f"job already ended {run.status.state.value}; nothing to do")
             return run.status.state
-        run.say(self.runtime.notice())
+        run.say(self.plan.runtime.notice())
         try:
-            if problem := self.runtime.problem():
+            if problem := self.plan.runtime.problem():
                 raise DeployFailed(Failure(cause=problem))
             if self.record.spec.job.secret_references():
                 start_secret_service()  # on this node, the head: where `secrets set` writes
             self.deployment.mirror_weights()
-            self.deployment.place_and_prepare(self._nodes)
-            Attempts(run, self).run()
+            self.deployment.place_and_prepare(self._nodes, self.plan)
+            Attempts(run, self, self.plan, self.plans).run()
         except JobStopped:
             self._stop_agents()
             self._finish(JobState.STOPPED, "stopped by user")
@@ -136,7 +137,7 @@ class JobController:
     # --- the port its attempts drive (run_port.RunPort) --------------------------------------
 
     @property
-    def nodes(self) -> NodeGroup:
+    def nodes(self) -> JobNodes:
         return self._nodes
 
     def preemption(self) -> str | None:
@@ -148,14 +149,14 @@ class JobController:
     def prepare(self, ranks: list[int]) -> list[PreparedNode]:
         return self.deployment.prepare_again(self._nodes, ranks)
 
-    def requeue(self, reason: str, keep_checkpoints: bool) -> None:
+    def requeue(self, reason: str, keep_checkpoints: bool, plan: GroupPlan) -> None:
         self._nodes.release(keep_checkpoints=keep_checkpoints)  # what is unstored stays there
-        self._nodes = self.node_group(self.record, self.job_run.say)
+        self._nodes = self.make_nodes(self.record, self.job_run.say)
         self.job_run.transition(JobState.PENDING, f"{reason}; back in the queue")
         # Not a call to go on without: an entry still admitted (and marked preempted) would be
         # admitted again at once and preempted again, over and over.
         self.queue.requeue()
-        self.deployment.place_and_prepare(self._nodes)
+        self.deployment.place_and_prepare(self._nodes, plan)
 
     def complete(self) -> None:
         self._hold_for_session(failed=False, why="all commands exited 0")
@@ -201,15 +202,15 @@ class JobController:
     def _finish(self, state: JobState, reason: str, **updates: Any) -> None:
         """Flush the checkpoints still on the nodes and write the cache back, then record the
         final state."""
-        run, nodes = self.job_run, self._nodes
-        uploaders = nodes.uploaders
+        run, group = self.job_run, self._nodes.group
+        uploaders = group.uploaders
         if uploaders is not None:
             run.say("uploading the checkpoints still on the nodes")
             # A stopping job has until Ray's stop grace (RAY_JOB_STOP_WAIT_TIME_S) runs out.
             timeout = STOP_FLUSH_S if state == JobState.STOPPED else None
-            for rank_run in nodes.runs:  # stopped or ended: each result follows its exit closely
+            for rank_run in group.runs:  # stopped or ended: each result follows its exit closely
                 rank_run.done.wait(RESULT_WAIT_S)
-            endings = [rank_run.ending(state) for rank_run in nodes.runs] or [
+            endings = [rank_run.ending(state) for rank_run in group.runs] or [
                 RankEnding(rank, clean=False, how="the job ended before its commands ran")
                 for rank in range(len(uploaders.actors))
             ]
@@ -237,7 +238,7 @@ class JobController:
         assert cache is not None
         leader = run.status.nodes[0].node_id
         try:
-            result = self._nodes.write_back_cache(leader, WRITE_BACK_S if wait else None)
+            result = self._nodes.group.write_back_cache(leader, WRITE_BACK_S if wait else None)
         except Exception as e:
             error = short_error(e)
             run.say(f"training cache not written back: {error}")
@@ -250,7 +251,7 @@ class JobController:
         return cache.model_copy(update={"written_back": total})
 
     def _stop_agents(self) -> None:
-        error = self._nodes.stop(STOP_GRACE_S)
+        error = self._nodes.group.stop(STOP_GRACE_S)
         if error:
             self.job_run.say(f"stopping the commands: {error}")
 

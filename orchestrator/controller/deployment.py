@@ -15,11 +15,12 @@ from orchestrator.agents.messages import (
     PrepareRequest,
     WeightPlacement,
 )
-from orchestrator.agents.runtimes import runtime_for
 from orchestrator.controller.checkpointing import CheckpointNotFound, resolve_checkpoints
+from orchestrator.controller.job_nodes import JobNodes
 from orchestrator.controller.job_run import JobRun
-from orchestrator.controller.node_group import NodeGroup, NodeGroupError, short_error
+from orchestrator.controller.plan import GroupPlan
 from orchestrator.controller.queueing import JobQueue, NeverFits, QueueTimeout, QueueUnavailable
+from orchestrator.controller.rank_group import GroupError, short_error
 from orchestrator.controller.training_cache import (
     cache_enabled,
     cache_request,
@@ -76,22 +77,30 @@ class Deployment:
             raise DeployFailed(Failure(cause=str(e))) from None
         run.check_stop()
 
-    def place_and_prepare(self, nodes: NodeGroup) -> None:
-        """Admitted by the queue, `nodes` reserved, every one prepared: the first start's path
+    def place_and_prepare(self, nodes: JobNodes, plan: GroupPlan) -> None:
+        """Admitted by the queue, `plan` placed, every rank prepared: the first start's path
         and a requeued job's."""
         self._admit()
-        self._reserve(nodes)
-        self._deploy(nodes)
+        self._reserve(nodes, plan)
+        self._deploy(nodes, plan)
 
-    def place_again(self, nodes: NodeGroup, ranks: list[int]) -> None:
-        """Lost `ranks` placed again (PENDING meanwhile); NodeGroupError if there is no room."""
-        nodes.replace(ranks, self.scheduling_timeout_s, self._pending, self.run.check_stop)
-        self.queue_call(self.queue.placed, nodes.placed_nodes())  # a rank moved
+    def place_again(self, nodes: JobNodes, ranks: list[int]) -> None:
+        """Lost `ranks` placed again (PENDING meanwhile), with new agents; GroupError if there
+        is no room."""
+        group = nodes.group
+        old = [group.node_ids[rank] for rank in ranks if rank in group.node_ids]
+        group.drop(ranks)
+        nodes.placement.place_again(
+            ranks, old, nodes.judge, self.scheduling_timeout_s, self._pending,
+            self.run.check_stop,
+        )  # fmt: skip
+        group.replace(ranks)
+        self.queue_call(self.queue.placed, nodes.placement.placed_nodes())  # a rank moved
 
-    def prepare_again(self, nodes: NodeGroup, ranks: list[int]) -> list[PreparedNode]:
+    def prepare_again(self, nodes: JobNodes, ranks: list[int]) -> list[PreparedNode]:
         """Replaced `ranks` prepared with the first prepare's request."""
         assert self.prepare_request is not None
-        return nodes.prepare(self.prepare_request, self.run.check_stop, ranks)
+        return nodes.group.prepare(self.prepare_request, self.run.check_stop, ranks)
 
     def queue_call(self, call: Callable[..., Any], *args: Any) -> None:
         """A call the job goes on without: the queue service rebuilds from storage."""
@@ -125,18 +134,18 @@ class Deployment:
                 "its owners need it back"
             )
 
-    def _reserve(self, nodes: NodeGroup) -> None:
+    def _reserve(self, nodes: JobNodes, plan: GroupPlan) -> None:
+        placement = nodes.placement
         try:
-            nodes.reserve(self.scheduling_timeout_s, self._pending, self.run.check_stop)
-        except NodeGroupError as e:
+            placement.reserve(plan, self.scheduling_timeout_s, self._pending, self.run.check_stop)
+        except GroupError as e:
             raise DeployFailed(Failure(cause=str(e))) from None
-        self.queue_call(self.queue.placed, nodes.placed_nodes())
+        self.queue_call(self.queue.placed, placement.placed_nodes())
 
-    def _deploy(self, nodes: NodeGroup) -> None:
+    def _deploy(self, nodes: JobNodes, plan: GroupPlan) -> None:
         run = self.run
         run.check_stop()
-        compute = run.record.spec.job.compute
-        run.transition(JobState.DEPLOYING, f"preparing {compute.node_count} node(s)")
+        run.transition(JobState.DEPLOYING, f"preparing {plan.size} node(s)")
         try:
             loads = resolve_checkpoints(run.record, self.store)
         except CheckpointNotFound as e:
@@ -144,19 +153,21 @@ class Deployment:
         if loads:
             names = sorted({f"{m.job_id}/{m.name}" for m in loads})
             run.say(f"loading checkpoint(s) {', '.join(names)} on every node")
-        nodes.create()
-        prepared = self._prepare(nodes, loads)
+        nodes.group.create(plan)
+        prepared = self._prepare(nodes, plan, loads)
         weights = [w.model_copy(update={"nodes": []}) for w in run.status.weights]
         record_deliveries(weights, prepared, run.say)
         updates: dict[str, Any] = {"nodes": [p.node_info() for p in prepared], "weights": weights}
         if cache_enabled(run.record):
-            updates["cache"] = seeding_status(prepared, nodes.cache_affinity)
+            updates["cache"] = seeding_status(prepared, nodes.placement.cache_affinity)
             run.lines(seeding_lines(updates["cache"]))
         run.amend(**updates)
-        if nodes.uploaders is not None:
-            nodes.uploaders.wait_ready()  # watching before any command runs
+        if nodes.group.uploaders is not None:
+            nodes.group.uploaders.wait_ready()  # watching before any command runs
 
-    def _prepare(self, nodes: NodeGroup, loads: list[Manifest]) -> list[PreparedNode]:
+    def _prepare(
+        self, nodes: JobNodes, plan: GroupPlan, loads: list[Manifest]
+    ) -> list[PreparedNode]:
         record = self.run.record
         job = record.spec.job
         load_config = job.runtime.load_checkpoint_config
@@ -174,9 +185,9 @@ class Deployment:
                 for ws, w in zip(self.weight_sets, job.weights, strict=True)
             ),
             cache=cache_request(record),
-            image=runtime_for(job).image_request(),
+            image=plan.runtime.image_request(),
         )
         try:
-            return nodes.prepare(request, self.run.check_stop)
-        except NodeGroupError as e:
+            return nodes.group.prepare(request, self.run.check_stop)
+        except GroupError as e:
             raise DeployFailed(Failure(cause=str(e))) from e

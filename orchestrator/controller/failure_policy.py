@@ -9,6 +9,7 @@ FailurePolicy/FailureDecision are. The rules (docs/architecture.md#faults-and-re
   using `retries`, up to `max_preemptions`, after which the job ends PREEMPTED;
 - a start command that exits non-zero usually fails again: retried only with
   `retry_on_failure`, after `delay_s`, and it uses `retries`;
+- a checkpoint directory over `volume_size_gib` is never retried;
 - a stop by the user is never retried.
 """
 
@@ -22,6 +23,7 @@ from orchestrator.lifecycle import FaultKind, JobState
 from orchestrator.storage.records import RetryPolicy
 
 INFRASTRUCTURE = frozenset({FaultKind.NODE_LOST, FaultKind.AGENT_LOST})
+NEVER_RETRIED = frozenset({FaultKind.STOPPED, FaultKind.OVER_VOLUME})
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class Fault:
     reason: str  # in words: "rank 1's node 3f2a... was removed"
     rank: int | None = None
     node_id: str | None = None
+    deadline: float = 0.0  # a preemption notice's: when the nodes go (epoch seconds)
 
 
 class Action(str, enum.Enum):
@@ -57,6 +60,9 @@ class FailurePolicy:
         policy, kind = self.policy, fault.kind
         if kind == FaultKind.STOPPED:
             return FailureDecision(Action.END, "stopped by user", JobState.STOPPED)
+        if kind == FaultKind.OVER_VOLUME:
+            why = "a checkpoint directory over volume_size_gib is not retried"
+            return FailureDecision(Action.END, why, JobState.FAILED)
         if kind == FaultKind.PREEMPTED:
             used = sum(f.kind == FaultKind.PREEMPTED for f in earlier) + 1
             if used > policy.max_preemptions:

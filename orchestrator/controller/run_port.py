@@ -10,32 +10,34 @@ from __future__ import annotations
 from typing import Protocol
 
 from orchestrator.agents.messages import PreparedNode
-from orchestrator.controller.node_group import NodeGroup
+from orchestrator.controller.job_nodes import JobNodes
+from orchestrator.controller.plan import GroupPlan
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.records import Failure
 
 
 class RunPort(Protocol):
     @property
-    def nodes(self) -> NodeGroup:
-        """The job's node group now: another one after `requeue`."""
+    def nodes(self) -> JobNodes:
+        """The job's nodes now: others after `requeue`."""
 
     def preemption(self) -> str | None:
         """Why the queue wants the job's nodes back, once it does."""
 
     def replace(self, ranks: list[int]) -> None:
-        """Place lost `ranks` again, PENDING meanwhile; NodeGroupError if there is no room."""
+        """Place lost `ranks` again, PENDING meanwhile; GroupError if there is no room."""
 
     def prepare(self, ranks: list[int]) -> list[PreparedNode]:
-        """Prepare replaced `ranks` as every rank was first; NodeLostError if one goes again,
-        NodeGroupError if the prepare fails."""
+        """Prepare replaced `ranks` as every rank was first; RankLostError if one goes again,
+        GroupError if the prepare fails."""
 
-    def requeue(self, reason: str, keep_checkpoints: bool) -> None:
+    def requeue(self, reason: str, keep_checkpoints: bool, plan: GroupPlan) -> None:
         """Give the nodes back (keeping unstored checkpoints on them if asked), wait in the
-        queue again, then place and prepare every rank anew, as the first start did."""
+        queue again, then place and prepare every rank of `plan` anew, as the first start
+        did."""
 
     def complete(self) -> None:
-        """Every command of the last attempt exited 0: the job ends COMPLETED."""
+        """Every rank of the last attempt ended well: the job ends COMPLETED."""
 
     def fail(self, state: JobState, failure: Failure) -> None:
         """The job ends badly, in `state` (FAILED, PREEMPTED), for `failure`."""

@@ -7,8 +7,6 @@ and turns the agents' answers into the status and the log.
 
 from __future__ import annotations
 
-import ray
-
 from orchestrator.agents.messages import CacheRequest, CacheWrittenBack, PreparedNode
 from orchestrator.sizes import human_bytes
 from orchestrator.spec.training import DEFAULT_MOUNT_BASE_PATH
@@ -40,16 +38,15 @@ def cache_request(record: JobRecord) -> CacheRequest | None:
 
 
 def affinity_selector(
-    record: JobRecord, node_count: int
+    record: JobRecord, node_count: int, alive: set[str]
 ) -> tuple[list[dict[str, str]] | None, str | None]:
-    """Bundle label selectors that keep the job on nodes holding its cache, or None and why
-    not (None for a job without a cache)."""
+    """Bundle label selectors that keep the job on `alive` nodes holding its cache, or None
+    and why not (None for a job without a cache)."""
     cache = record.spec.job.runtime.cache_config
     if cache is None or not cache.enabled:
         return None, None
     if not cache.require_cache_affinity:
         return None, "require_cache_affinity is off: placed anywhere"
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     store = CacheStore(StorageRoot(record.storage_root), record.team, record.project_key)
     held = store.holders(alive)
     if not held:
