@@ -183,15 +183,13 @@ QUEUE_HOLD_AFTER_S = _setting("QUEUE_HOLD_AFTER_S", 600.0, positive_float, HEAD)
 # resumable (only jobs that checkpoint), always (also jobs that would start over).
 QUEUE_PREEMPT_WITHIN_TEAM = _setting("QUEUE_PREEMPT_WITHIN_TEAM", "never", within_team, HEAD)
 PREEMPTION_GRACE_S = _setting("PREEMPTION_GRACE_S", 60.0, positive_float, HEAD)
-# How the queue service starts the controllers of the jobs it admits: as threads of one resident
-# process on the head (hosted; controller/host.py), or each as its own Ray job.
+# How the queue service starts the controllers of the jobs it admits (its launcher,
+# scheduler/launcher.py `launcher_for`): as threads of one resident process on the head
+# (hosted; controller/host.py), or each as its own Ray job.
 CONTROLLERS = _setting("CONTROLLERS", "hosted", controllers, HEAD)
 # A directory through which a client on the head's machine has the queue service watch a new
 # storage root without a Ray job (scheduler/roots_inbox.py); the embedded cluster sets it.
 ROOTS_INBOX = _setting("ROOTS_INBOX", None, text, HEAD)
-# Controllers are forked from a process with their modules imported (scheduler/warm_host.py);
-# off (the default until a crash seen once is explained): each starts its own interpreter.
-WARM_CONTROLLERS = _setting("WARM_CONTROLLERS", False, flag, HEAD)
 
 # --- every node ---------------------------------------------------------------------------------
 NODE_ROOT = _setting("NODE_ROOT", None, text, NODE)  # default: <tmp>/orchestrator

@@ -14,7 +14,17 @@ from test_queue_pushed import FakeCluster, FakeLauncher, status
 
 from orchestrator.lifecycle import JobState
 from orchestrator.scheduler import orphan_reaper
-from orchestrator.scheduler.launcher import MISSING, HostGone, HostTable, hosted_standing
+from orchestrator.scheduler.launcher import (
+    NOT_STARTED,
+    RUNNING_OR_UNKNOWN,
+    ControllerStanding,
+    ControllerState,
+    HostTable,
+    Launched,
+    LaunchOutcome,
+    hostable,
+    hosted_standing,
+)
 from orchestrator.scheduler.policy import SchedulingPolicy
 from orchestrator.scheduler.root_queue import RootQueue
 from orchestrator.storage.job_store import JobStore
@@ -26,28 +36,33 @@ from orchestrator.storage.root import StorageRoot
 class FakeHost(FakeLauncher):
     """A launcher that hosts: the incarnation of the host, and what it says of each job."""
 
-    hosts = True
-
     def __init__(self) -> None:
         super().__init__()
         self.incarnation = "host-1"
-        self.said: dict[str, str | None] = {}  # job id: what hosted_ended answers
+        self.said: dict[str, ControllerStanding] = {}  # job id: its standing, as the host says
         self.gone_jobs: dict[str, str] = {}
         self.dies_at_start = False
 
-    def launch(self, entry: QueueEntry) -> str | None:
+    def hosts(self, entry: QueueEntry) -> bool:
+        return hostable(entry)  # a host runs: the entry decides, as HostedLauncher's
+
+    def launch(self, entry: QueueEntry) -> LaunchOutcome:
         if entry.hosted and self.dies_at_start:
             self.dies_at_start = False
-            raise HostGone("the controller host is gone: ActorDiedError")
-        super().launch(entry)
-        return self.incarnation if entry.hosted else None  # else a Ray job, as the real one
+            return LaunchOutcome(Launched.HOST_GONE, cause="the controller host is gone")
+        started = super().launch(entry)
+        return LaunchOutcome(Launched.HOSTED, host=self.incarnation) if entry.hosted else started
 
-    def hosted_ended(self, entry: QueueEntry) -> str | None:
+    def standing(self, entry: QueueEntry) -> ControllerStanding:
+        if not entry.hosted:
+            return super().standing(entry)
         if entry.job_id in self.said:
             return self.said[entry.job_id]
         if entry.hosted_by is None:
-            return MISSING
-        return None if entry.hosted_by == self.incarnation else "FAILED: its host died"
+            return NOT_STARTED
+        if entry.hosted_by == self.incarnation:
+            return RUNNING_OR_UNKNOWN
+        return ControllerStanding.failed("its host died")
 
     def gone(self, job_id: str, cause: str) -> None:
         self.gone_jobs[job_id] = cause
@@ -129,7 +144,7 @@ def test_a_job_whose_host_died_fails_with_why_and_frees_its_room(tmp_path, host)
 def test_a_hosted_controller_that_ended_without_a_record_fails_its_job(tmp_path, host):
     push(tmp_path, "a")
     queue = started(tmp_path, host, "a")
-    host.said["a"] = "FAILED: the job's controller raised RuntimeError: boom"
+    host.said["a"] = ControllerStanding.failed("the job's controller raised RuntimeError: boom")
     tick(queue)
     failed = status(tmp_path, "a")
     assert failed.state == JobState.FAILED
@@ -143,7 +158,7 @@ def test_a_hosted_controller_that_ended_with_its_record_only_leaves_the_queue(tm
     store = JobStore(StorageRoot(tmp_path))
     for state in (JobState.DEPLOYING, JobState.RUNNING, JobState.COMPLETED):
         store.put_status(store.status("a").moved_to(state, "its controller's steps"))
-    host.said["a"] = "ENDED"  # it let go of its entry too late, or not at all
+    host.said["a"] = ControllerStanding.ended()  # it let go of its entry too late, or not at all
     tick(queue)
     assert status(tmp_path, "a").state == JobState.COMPLETED
     assert entry(tmp_path, "a") is None and host.gone_jobs == {}
@@ -176,21 +191,24 @@ def test_a_job_admitted_as_its_host_dies_is_started_as_a_ray_job(tmp_path, host)
 
 
 def test_the_hosts_table_says_which_hosted_controllers_are_gone_and_why():
-    def standing(table: HostTable, hosted_by: str | None) -> str | None:
+    def standing(table: HostTable, hosted_by: str | None) -> ControllerStanding:
         entry = QueueEntry(job_id="a", pushed_at=1.0, bundle={}, hosted=True, hosted_by=hosted_by)
         return hosted_standing(table, entry)
 
     live = HostTable("inc-1", frozenset({"a"}))
-    assert standing(live, "inc-1") is None  # it runs
+    assert standing(live, "inc-1") == RUNNING_OR_UNKNOWN
     raised = HostTable("inc-1", ended=(("a", "the job's controller raised KeyError: 'x'"),))
-    assert standing(raised, "inc-1") == "FAILED: the job's controller raised KeyError: 'x'"
-    assert standing(HostTable("inc-1", ended=(("a", None),)), "inc-1") == "ENDED"
-    assert standing(HostTable("inc-1"), None) == MISSING  # its start has not answered yet
-    assert standing(HostTable("inc-1"), "inc-1") == "ENDED"  # ran here, forgotten since
+    assert standing(raised, "inc-1") == ControllerStanding(
+        ControllerState.FAILED, "the job's controller raised KeyError: 'x'"
+    )
+    ended = ControllerStanding(ControllerState.ENDED)
+    assert standing(HostTable("inc-1", ended=(("a", None),)), "inc-1") == ended
+    assert standing(HostTable("inc-1"), None) == NOT_STARTED  # its start has not answered yet
+    assert standing(HostTable("inc-1"), "inc-1") == ended  # ran here, forgotten since
     for table in (HostTable("inc-2"), HostTable(None)):  # another host, or none: it died
-        assert standing(table, "inc-1").startswith(
-            "FAILED: the controller host's process on the head ended"
-        )
+        died = standing(table, "inc-1")
+        assert died.state is ControllerState.FAILED
+        assert died.cause.startswith("the controller host's process on the head ended")
 
 
 def test_a_hosted_controller_that_raises_fails_its_job_and_the_host_says_why(tmp_path):

@@ -11,7 +11,13 @@ import pytest
 from conftest import eventually
 
 from orchestrator.lifecycle import JobState
-from orchestrator.scheduler.launcher import MISSING, LaunchFailed
+from orchestrator.scheduler.launcher import (
+    AS_RAY_JOB,
+    NOT_STARTED,
+    RUNNING_OR_UNKNOWN,
+    ControllerStanding,
+    LaunchOutcome,
+)
 from orchestrator.scheduler.model import Node
 from orchestrator.scheduler.policy import SchedulingPolicy
 from orchestrator.scheduler.resources import Resources
@@ -37,33 +43,32 @@ class FakeCluster:
 
 
 class FakeLauncher:
-    """The Job API as the service uses it: what it launched and stopped."""
-
-    hosts = False
+    """The Job API as the service uses it: what it launched and stopped, and how Ray says each
+    controller's Ray job stands (`ray_jobs`: running unless said)."""
 
     def __init__(self) -> None:
         self.launched: list[str] = []
         self.stopped: list[str] = []
         self.refuse: str | None = None
-        self.ended_jobs: dict[str, str] = {}
+        self.ray_jobs: dict[str, ControllerStanding] = {}
 
     def session(self) -> str:
         return "session-1"
 
-    def launch(self, entry: QueueEntry) -> str | None:
+    def hosts(self, entry: QueueEntry) -> bool:
+        return False
+
+    def launch(self, entry: QueueEntry) -> LaunchOutcome:
         if self.refuse:
-            raise LaunchFailed(self.refuse)
+            return LaunchOutcome.refused(self.refuse)
         self.launched.append(entry.job_id)
-        return None
+        return AS_RAY_JOB
 
     def stop(self, job_id: str) -> None:
         self.stopped.append(job_id)
 
-    def ended(self, job_id: str) -> str | None:
-        return self.ended_jobs.get(job_id)
-
-    def hosted_ended(self, entry: QueueEntry) -> str | None:
-        return None
+    def standing(self, entry: QueueEntry) -> ControllerStanding:
+        return self.ray_jobs.get(entry.job_id, RUNNING_OR_UNKNOWN)
 
     def gone(self, job_id: str, cause: str) -> None:
         pass
@@ -93,6 +98,12 @@ def status(root: Path, job_id: str) -> JobStatus:
     return JobStore(StorageRoot(root)).status(job_id)
 
 
+def launches_done(queue: RootQueue) -> None:
+    """Every controller start and stop the queue has handed its pool has run (the pool shut
+    down, waiting): the launcher then holds all this queue will ever launch of them."""
+    queue.launches.shutdown(wait=True)
+
+
 def test_a_pushed_job_is_started_once_when_admitted_even_after_a_restart(tmp_path, launcher):
     push(tmp_path, "a", 2)
     queue = queue_on(tmp_path, launcher)
@@ -104,7 +115,7 @@ def test_a_pushed_job_is_started_once_when_admitted_even_after_a_restart(tmp_pat
 
     again = queue_on(tmp_path, launcher)  # the service restarted: its entries read back
     again.tick()
-    time.sleep(0.2)  # a second start would be submitted by a pool thread at once
+    launches_done(again)  # a second start would have been handed to its pool by the tick
     assert launcher.launched == ["a"]
     # The controller comes and enqueues the same job: recorded as its driver, still admitted.
     came = again.enqueue(QueueEntry(job_id="a", team="t", pushed_at=1.0, bundle={"CPU": 2},
@@ -154,7 +165,7 @@ def test_a_pushed_job_stopped_before_the_service_took_it_is_never_started(tmp_pa
     store.request_stop("early", time.time())
     queue = queue_on(tmp_path, launcher)
     queue.tick()
-    time.sleep(0.2)
+    launches_done(queue)  # a start would have been handed to its pool by the tick
     assert launcher.launched == []
     assert status(tmp_path, "early").state == JobState.STOPPED
 
@@ -195,7 +206,7 @@ def test_a_started_controller_whose_ray_job_ended_before_it_came_fails_the_job(t
     queue = queue_on(tmp_path, launcher)
     queue.tick()
     eventually(lambda: launcher.launched == ["a"], "a's controller to be started", 5)
-    launcher.ended_jobs["a"] = "FAILED: entrypoint exited with 1"
+    launcher.ray_jobs["a"] = ControllerStanding.ended("FAILED: entrypoint exited with 1")
     queue.tick()
     failed = status(tmp_path, "a")
     assert failed.state == JobState.FAILED
@@ -235,7 +246,7 @@ def started_then_missing(root: Path, launcher: FakeLauncher) -> RootQueue:
     queue = queue_on(root, launcher)
     queue.tick()
     eventually(lambda: launcher.launched == ["a"], "a's controller to be started", 5)
-    launcher.ended_jobs["a"] = MISSING
+    launcher.ray_jobs["a"] = NOT_STARTED
     queue.tick()
     return queue
 

@@ -13,7 +13,7 @@ import pytest
 import requests
 from conftest import make_job
 
-from orchestrator.client import submit
+from orchestrator.client import bootstrap, submit
 from orchestrator.client.api import push
 from orchestrator.client.connection import Connection
 from orchestrator.cluster.local import LocalCluster, embedded_env
@@ -193,7 +193,7 @@ def test_pushes_start_their_own_controllers_when_the_service_does_not_come(
     """A starting push whose service never beat (its controller died first): the pushes after
     it wait SERVICE_START_S from its claim, then start theirs, and a claim that old is taken
     over at once."""
-    monkeypatch.setattr(submit, "SERVICE_START_S", 1.0)
+    monkeypatch.setattr(bootstrap, "SERVICE_START_S", 1.0)
     monkeypatch.setattr("orchestrator.storage.queue_store.SERVICE_START_S", 1.0)
     root = StorageRoot(tmp_path / "storage")
     first = push(make_job(tmp_path / "a", RUN), address=ADDRESS, storage_root=root.url)

@@ -1,4 +1,5 @@
-"""Submitting a prepared job: store its archive and record, then start its Ray job."""
+"""Submitting a prepared job: store its archive and record, then put it in the cluster's queue,
+whose service starts its controller (or, for a root's first push, start it here: bootstrap.py)."""
 
 from __future__ import annotations
 
@@ -12,32 +13,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import settings
+from orchestrator.agents.runtimes import cluster_runtime_kind, push_notices
+from orchestrator.client import bootstrap
 from orchestrator.client.connection import Connection
 from orchestrator.client.prepare import PreparedJob
 from orchestrator.client.workspace import write_archive
 from orchestrator.cluster.auth import refusal
 from orchestrator.errors import OrchestratorError, SubmitError
 from orchestrator.lifecycle import JobState
-from orchestrator.scheduler import roots_inbox
 from orchestrator.scheduler.entries import entry_for
 from orchestrator.storage.checkpoints import UploadSettings
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.projects import ProjectRecord, ProjectStore
-from orchestrator.storage.queue_store import (
-    INCOMING,
-    SERVICE_START_S,
-    STARTING,
-    Launch,
-    QueueStore,
-)
+from orchestrator.storage.queue_store import INCOMING, Launch, QueueStore
 from orchestrator.storage.records import ArchiveRef, Failure, JobRecord, JobStatus, RetryPolicy
 from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.root import StorageRoot
 
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
-
-    from orchestrator.spec.training import TrainingJob
 
 REMOTE_PYTHON_ENV = settings.PYTHON.name
 SHARED_FS_ENV = settings.SHARED_FILESYSTEM.name
@@ -201,32 +195,16 @@ def submit(
     said = QueueStore(root).runtimes()
     runtime = said.pop() if len(said) == 1 else None
     if runtime is None and connection.embedded:
-        runtime = settings.JOB_RUNTIME.get()
+        runtime = cluster_runtime_kind().said
     job_id = new_job_id()
     record = store_job(
         prepared, root, job_id, connection.address, colocate_ranks=colocate_ranks,
         embedded=connection.embedded, upload_settings=upload_settings,
         storage_settings=storage_settings, retry=retry,
-        notices=runtime_notices(prepared.project.job, runtime),
+        notices=push_notices(prepared.project.job, runtime),
     )  # fmt: skip
     submit_record(record, connection, root)
     return record
-
-
-def runtime_notices(job: TrainingJob, runtime: str | None) -> list[str]:
-    """What push says of where the commands will run: on the host, that the image is not used
-    and the code is trusted (docs/secrets.md); nothing where they run in the image, or where
-    the cluster has not said (its first job's log says it)."""
-    if runtime != "host":
-        return []
-    image = "image.base_image and image.docker_auth are" if job.image.docker_auth else (
-        "image.base_image is"
-    )  # fmt: skip
-    return [
-        f"this cluster runs jobs' commands in its nodes' own environment, as trusted code: "
-        f"{image} recorded only, and the commands can reach the cluster and read what Ray's "
-        "user can on the node (docs/secrets.md)"
-    ]
 
 
 def recreate_job(earlier: JobRecord, connection: Connection, root: StorageRoot) -> JobRecord:
@@ -262,12 +240,12 @@ def check_recreatable(earlier: JobRecord, root: StorageRoot) -> None:
 
 def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) -> None:
     """Put a stored job in the cluster's queue: it is queued from the moment this returns, with
-    no process of its own; the queue service starts its controller (a thread of the head's
-    controller host, or a Ray job whose submission id is the job id) once it is admitted. Where
-    no service watches the root yet (the cluster's first push to it), the first such push
-    submits its controller now, as a Ray job, which starts the service, and the pushes after it
-    wait for that service; a job that mirrors weights while it waits is submitted now too. A
-    refusal is recorded as DEPLOY_FAILED, then raised."""
+    no process of its own, and the queue service starts its controller once it is admitted
+    (scheduler/launcher.py lists every way a controller starts). The push submits the
+    controller itself, as a Ray job whose submission id is the job id, only where no service
+    would start it in time: a root's first push to the cluster (client/bootstrap.py: that
+    controller starts the service), and a job that mirrors weights while it waits. A refusal
+    is recorded as DEPLOY_FAILED, then raised."""
     job_id = record.job_id
     launch = Launch(
         entrypoint=controller_entrypoint(job_id, root, connection, runs_comment(record)),
@@ -279,20 +257,16 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
     starter = ""  # the cluster session whose queue service this push starts here, if it does
     try:
         session = cluster_session(connection)
-        start_now = bool(record.spec.job.weights)
+        mirrors = bool(record.spec.job.weights)  # its controller mirrors them while it waits
         entry = entry_for(
             record, launch=launch, cluster=session, queue_timeout_s=record.queue_timeout_s,
-            launched_at=time.time() if start_now else None,
+            launched_at=time.time() if mirrors else None,
         )  # fmt: skip
         queue.put_incoming(entry)  # queued from here on; a service takes it
-        if not start_now:
-            if (
-                queue.watched_by(session)
-                or _asked_service(connection, queue, session, root)
-                or _service_starting(queue, session)
-            ):
+        if not mirrors:
+            if bootstrap.service_takes_it(connection, queue, session, root):
                 return
-            # Nobody takes it: it is ours to start, and its controller starts the service.
+            # The bootstrap: it is ours to start, and its controller starts the service.
             queue.put_incoming(entry.model_copy(update={"launched_at": time.time()}))
             starter = session
         submit_ray_job(
@@ -303,51 +277,12 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
         # Never retried: inside this handler a storage error would read as the Ray error's.
         root.discard(f"{INCOMING}/{job_id}.json")
         if starter:
-            root.discard(f"{STARTING}/{starter}.json")
+            bootstrap.give_up_claim(root, starter)
         store = JobStore(root)
         failure = Failure(cause=str(e))
         status = store.status(job_id).moved_to(JobState.DEPLOY_FAILED, failure.cause)
         store.put_status(status.model_copy(update={"failure": failure}))
         raise
-
-
-def _asked_service(
-    connection: Connection, queue: QueueStore, session: str, root: StorageRoot
-) -> bool:
-    """Whether the running queue service, asked through the embedded cluster's inbox (no Ray
-    job; scheduler/roots_inbox.py), watches the root now. False where there is no inbox or no
-    service polls it, or the service did not take the root in time (a Ray job starts the job)."""
-    if connection.roots_inbox is None:
-        return False
-    if not roots_inbox.ask(Path(connection.roots_inbox), root.url, session):
-        return False
-    return _watched_by_then(queue, session, time.time() + _INBOX_WAIT_S, roots_inbox.POLL_S)
-
-
-_INBOX_WAIT_S = 5.0
-
-
-def _service_starting(queue: QueueStore, session: str) -> bool:
-    """Whether another push is starting this root's queue service (its controller starts it):
-    then ours waits for that service to watch the root and take the job, rather than starting a
-    controller (a Ray job, RUNNING in the dashboard) only to wait in the queue. False if this
-    push is to start it, or that service did not come in time."""
-    claimed_at = queue.claim_service_start(session)
-    if claimed_at is None:
-        return False
-    return _watched_by_then(queue, session, claimed_at + SERVICE_START_S, _SERVICE_POLL_S)
-
-
-_SERVICE_POLL_S = 0.25
-
-
-def _watched_by_then(queue: QueueStore, session: str, until: float, poll_s: float) -> bool:
-    """Whether the session's queue service watches the root by `until` (a time.time())."""
-    while time.time() < until:
-        if queue.watched_by(session):
-            return True
-        time.sleep(poll_s)
-    return queue.watched_by(session)
 
 
 def cluster_session(connection: Connection) -> str:

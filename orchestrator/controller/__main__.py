@@ -1,22 +1,18 @@
-"""`python -m orchestrator.controller --job-id ID --storage-root URL`: a job's Ray entrypoint."""
+"""`python -m orchestrator.controller --job-id ID --storage-root URL`: the entrypoint of a
+controller that is a Ray job of its own (scheduler/launcher.py lists when one is)."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import sys
+import threading
+import traceback
 
-from orchestrator.scheduler.warm_start import hand_over_or_return
+import ray
 
-hand_over_or_return("orchestrator.controller")  # a warm host forks it: this never returns
-
-import argparse  # noqa: E402 (a controller forked warm has these imported already)
-import contextlib  # noqa: E402
-import threading  # noqa: E402
-import traceback  # noqa: E402
-
-import ray  # noqa: E402
-
-from orchestrator.agents.services import NAMESPACE  # noqa: E402
-from orchestrator.scheduler import QUEUE_SERVICE_NAME  # noqa: E402
+from orchestrator.agents.services import NAMESPACE
+from orchestrator.scheduler import QUEUE_SERVICE_NAME
 
 
 def reach_queue_service(storage_root: str, job_id: str) -> None:

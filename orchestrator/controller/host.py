@@ -226,8 +226,9 @@ def record_failed(storage_root: str, job_id: str, cause: str) -> None:
 
 def ensure_host() -> None:
     """Start the cluster's controller host on this node (the head) unless it runs or the head
-    says controllers are Ray jobs: called by each controller that is a Ray job of its own, so
-    the queue service, which finds the host by name, has one again after it died.
+    says controllers are Ray jobs: called by each controller that is a Ray job of its own
+    (scheduler/launcher.py lists when one is), so the queue service, which finds the host by
+    name and cannot create it (this layer is above its own), has one again after it died.
 
     The host is started by a Ray job of its own whose driver stays (`python -m
     orchestrator.controller.host --resident`, a RUNNING job in the dashboard): a detached

@@ -1,16 +1,32 @@
-"""Starting an admitted job's controller (`ControllerLauncher`): a pushed job waits in the queue
-as a file and a line in the service's memory, with no process of its own; when the queue admits
-it, the service starts its controller: by default as a thread of the head's controller host
-(`HostedLauncher`; the host is controller/host.py), or, with ORCHESTRATOR_CONTROLLERS=ray-job, as
-a Ray job of its own (`RayJobLauncher`, through the head's own Job API).
+"""How a job's controller comes to exist: `ControllerLauncher`, the one seam a cluster kind
+implements to start, stop and watch controllers (a KubeRay backend would be one more: `launch`
+a RayJob resource, `standing` from its status), chosen by `launcher_for`.
 
-As a Ray job, the job id is its submission id: a second submission of the same job (a service
-that restarted between the submit and recording it) is answered "already exists", and is the
-same job. The host, likewise, starts a job's controller once.
+Every way a controller starts, in one list:
+- **Admitted by the queue service** (the usual way): a pushed job waits in the queue as a file
+  and a line in the service's memory, with no process; when the queue admits it, the service
+  marks on its entry how it starts (`hosts`, stored first) and `launch`es it with the
+  launcher of its head. `HostedLauncher` (ORCHESTRATOR_CONTROLLERS=hosted, the default) starts
+  it as a thread of the head's controller host (controller/host.py); as a Ray job of its own
+  where no host runs, where the entry lacks what the host needs (an older client's push), or
+  where the host is found gone at the start (`HOST_GONE`: the queue marks it a Ray job and
+  launches again). `RayJobLauncher` (ray-job) starts each as a Ray job, through the head's own
+  Job API, its submission id the job id: a second submission of the same job is answered
+  "already exists", and is the same job.
+- **The push's own** (client/bootstrap.py): a root's first push to a cluster, which no service
+  watches yet, submits its controller as a Ray job, which starts the service; so does a job
+  that mirrors weights while it waits. Every later push of the root is the service's.
+- **`ray job submit ... orchestrator run`**: the controller runs in the user's own Ray job.
+
+The controller host is not started here (its code is the controller layer's, above this one):
+every controller that is a Ray job of its own starts it if none runs (`ensure_host`), and the
+service finds it by name. The service's reaper (orphan_reaper.py) asks the launcher how each
+controller it started stands (`standing`, a `ControllerStanding`).
 """
 
 from __future__ import annotations
 
+import enum
 import traceback
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -18,9 +34,58 @@ from typing import Any, Protocol
 from orchestrator import actor_names, ray_private
 from orchestrator.storage.queue_store import QueueEntry
 
-ENDED = ("FAILED", "STOPPED", "SUCCEEDED")
-MISSING = "its Ray job does not exist"
+RAY_ENDED = ("FAILED", "STOPPED", "SUCCEEDED")  # a Ray job's terminal states
 HOST_ASK_S = 10.0  # the controller host's answer; none: asked again at the next tick
+
+
+class ControllerState(enum.Enum):
+    RUNNING_OR_UNKNOWN = "running or unknown"  # it runs, or the launcher cannot tell now
+    NOT_STARTED = "not started"  # no such controller: its start has not answered, or was lost
+    ENDED = "ended"  # it ended; `cause`: how, where the launcher knows (a Ray job's end)
+    FAILED = "failed"  # gone without recording its job's end; `cause`: why (the job's cause)
+
+
+@dataclass(frozen=True)
+class ControllerStanding:
+    """How a started controller stands, as its launcher sees it (what the reaper acts on)."""
+
+    state: ControllerState
+    cause: str = ""
+
+    @classmethod
+    def ended(cls, cause: str = "") -> ControllerStanding:
+        return cls(ControllerState.ENDED, cause)
+
+    @classmethod
+    def failed(cls, cause: str) -> ControllerStanding:
+        return cls(ControllerState.FAILED, cause)
+
+
+RUNNING_OR_UNKNOWN = ControllerStanding(ControllerState.RUNNING_OR_UNKNOWN)
+NOT_STARTED = ControllerStanding(ControllerState.NOT_STARTED)
+
+
+class Launched(enum.Enum):
+    HOSTED = "hosted"  # a thread of the controller host; `host` is its incarnation
+    RAY_JOB = "ray-job"  # a Ray job of its own (or submitted before: the same job)
+    HOST_GONE = "host gone"  # nothing started: the host was gone; start it as a Ray job
+    REFUSED = "refused"  # it cannot be started; `cause` says why (the job is DEPLOY_FAILED)
+
+
+@dataclass(frozen=True)
+class LaunchOutcome:
+    """What `launch` did."""
+
+    launched: Launched
+    host: str | None = None
+    cause: str = ""
+
+    @classmethod
+    def refused(cls, cause: str) -> LaunchOutcome:
+        return cls(Launched.REFUSED, cause=cause)
+
+
+AS_RAY_JOB = LaunchOutcome(Launched.RAY_JOB)
 
 
 @dataclass(frozen=True)
@@ -50,65 +115,63 @@ class HostTable:
         return False, None
 
 
-def hosted_standing(table: HostTable, entry: QueueEntry) -> str | None:
-    """What `hosted_ended` answers for a hosted entry, from the host's table."""
+def hosted_standing(table: HostTable, entry: QueueEntry) -> ControllerStanding:
+    """How a hosted entry's controller stands, from the host's table."""
     if entry.job_id in table.running:
-        return None
+        return RUNNING_OR_UNKNOWN
     ended, why = table.why_ended(entry.job_id)
     if ended:
-        return "ENDED" if why is None else f"FAILED: {why}"
+        return ControllerStanding.ended() if why is None else ControllerStanding.failed(why)
     if entry.hosted_by is None:
-        return MISSING
+        return NOT_STARTED
     if entry.hosted_by != table.incarnation:
-        return (
-            "FAILED: the controller host's process on the head ended (it died or was "
-            "killed), and this job's controller with it; what it held was released"
+        return ControllerStanding.failed(
+            "the controller host's process on the head ended (it died or was killed), and this "
+            "job's controller with it; what it held was released"
         )
-    return "ENDED"  # it ran here, and ended long enough ago to be forgotten
+    return ControllerStanding.ended()  # it ran here, and ended long enough ago to be forgotten
 
 
-class LaunchFailed(Exception):
-    """The controller's Ray job could not be submitted; the message says why."""
-
-
-class HostGone(LaunchFailed):
-    """The controller host is not running: the job is started as a Ray job instead."""
+def hostable(entry: QueueEntry) -> bool:
+    """Whether the entry carries what the host starts a controller with (one pushed by an
+    older client does not: it is started as a Ray job)."""
+    launch = entry.launch
+    return bool(launch is not None and launch.storage_root and launch.scheduling_timeout_s)
 
 
 class ControllerLauncher(Protocol):
-    """Starts and stops controllers: the controller host or the Job API in the service, a fake
-    in tests."""
-
-    hosts: bool  # whether it starts controllers in the controller host (entry.hosted)
+    """Starts, stops and watches a cluster's controllers: the service's, from inside Ray; a
+    fake in tests."""
 
     def session(self) -> str:
         """The Ray cluster session the service runs in (pushes name the one they went to)."""
 
-    def launch(self, entry: QueueEntry) -> str | None:
-        """Start the entry's controller (entry.launch); LaunchFailed if it cannot be. A hosted
-        one: the incarnation of the host that runs it."""
+    def hosts(self, entry: QueueEntry) -> bool:
+        """Whether `launch` would start this entry's controller in the controller host (the
+        queue stores it on the entry, `hosted`, before launching)."""
+
+    def launch(self, entry: QueueEntry) -> LaunchOutcome:
+        """Start the entry's controller (entry.launch), hosted if the entry is marked so."""
 
     def stop(self, job_id: str) -> None:
-        """Ask the controller's Ray job to stop (it flushes and records STOPPED itself)."""
+        """Ask the job's controller to stop (it flushes and records STOPPED itself)."""
 
-    def ended(self, job_id: str) -> str | None:
-        """ "FAILED: message" once the controller's Ray job has ended, MISSING if Ray knows no
-        such job (not yet submitted, or lost with a head); None while it lives or cannot be
-        told."""
-
-    def hosted_ended(self, entry: QueueEntry) -> str | None:
-        """For a hosted controller (entry.hosted): "FAILED: why" once it is gone without its
-        job's end recorded, "ENDED" once it ended after recording it, MISSING while the host
-        has not started it yet; None while it runs or the host cannot be asked."""
+    def standing(self, entry: QueueEntry) -> ControllerStanding:
+        """How the controller `launch` started stands: a hosted one (entry.hosted) by the
+        host's table, a Ray job by Ray's."""
 
     def gone(self, job_id: str, cause: str) -> None:
-        """A hosted controller found gone (hosted_ended): what shows it as a Ray job ends too."""
+        """A hosted controller found gone (FAILED): what shows it as a Ray job ends too."""
+
+
+def launcher_for(controllers: str) -> ControllerLauncher:
+    """The launcher of a head whose ORCHESTRATOR_CONTROLLERS is `controllers`."""
+    return HostedLauncher() if controllers == "hosted" else RayJobLauncher()
 
 
 class RayJobLauncher:
-    """The head's Job API, reached on its own dashboard address from inside the service."""
-
-    hosts = False
+    """Controllers as Ray jobs of their own, through the head's Job API, reached on its own
+    dashboard address from inside the service."""
 
     def __init__(self) -> None:
         self._client: Any = None
@@ -118,7 +181,10 @@ class RayJobLauncher:
 
         return str(ray.get_runtime_context().get_session_name())
 
-    def launch(self, entry: QueueEntry) -> str | None:
+    def hosts(self, entry: QueueEntry) -> bool:
+        return False
+
+    def launch(self, entry: QueueEntry) -> LaunchOutcome:
         assert entry.launch is not None
         try:
             self.client().submit_job(
@@ -126,11 +192,11 @@ class RayJobLauncher:
                 metadata=dict(entry.launch.metadata), entrypoint_num_cpus=0,
             )  # fmt: skip
         except Exception as e:
-            if "already exists" in str(e):  # submitted before, by this service or a controller
-                return None
+            if "already exists" in str(e):  # submitted before, by this service or a push
+                return AS_RAY_JOB
             self._client = None
-            raise LaunchFailed(" ".join(str(e).split()) or type(e).__name__) from e
-        return None
+            return LaunchOutcome.refused(" ".join(str(e).split()) or type(e).__name__)
+        return AS_RAY_JOB
 
     def stop(self, job_id: str) -> None:
         try:
@@ -138,53 +204,55 @@ class RayJobLauncher:
         except Exception:
             self._client = None
 
-    def ended(self, job_id: str) -> str | None:
+    def standing(self, entry: QueueEntry) -> ControllerStanding:
+        if entry.hosted:  # this launcher hosts none: one a host ran, a hosting service fails
+            return RUNNING_OR_UNKNOWN
         try:
-            info = self.client().get_job_info(job_id)
+            info = self.client().get_job_info(entry.job_id)
         except Exception as e:
             if "does not exist" in str(e) or "404" in str(e):
-                return MISSING
+                return NOT_STARTED  # not submitted yet, or lost with a head
             self._client = None
-            return None
+            return RUNNING_OR_UNKNOWN
         state = str(info.status.value)
-        return f"{state}: {info.message or 'no message'}" if state in ENDED else None
-
-    def hosted_ended(self, entry: QueueEntry) -> str | None:
-        return None  # this launcher hosts none; one a host ran is failed by a hosting service
+        if state in RAY_ENDED:
+            return ControllerStanding.ended(f"{state}: {info.message or 'no message'}")
+        return RUNNING_OR_UNKNOWN
 
     def gone(self, job_id: str, cause: str) -> None:
         return None
 
     def client(self) -> Any:
+        """The head's Job API client (made once; RuntimeError without a dashboard)."""
         if self._client is None:
             from ray.job_submission import JobSubmissionClient
 
             address = ray_private.dashboard_address()
             if not address:
-                raise LaunchFailed("this Ray cluster runs no dashboard, whose Job API starts "
+                raise RuntimeError("this Ray cluster runs no dashboard, whose Job API starts "
                                    "controllers: start the head with its dashboard")  # fmt: skip
             self._client = JobSubmissionClient(address if "://" in address else f"http://{address}")
         return self._client
 
 
 class HostedLauncher(RayJobLauncher):
-    """Controllers as threads of the head's controller host, found by name; the Job API for the
-    Ray-job controllers a push starts itself (a root's first push, a job mirroring weights) and
-    for the jobs admitted while no host runs (a Ray-job controller starts one again: the host's
-    class is the controller layer's, controller/host.py)."""
+    """Controllers as threads of the head's controller host, found by name; Ray jobs (the Job
+    API) for the entries not marked hosted: admitted while no host ran, or whose host was
+    found gone at their start, or pushed without what the host needs."""
 
     def __init__(self) -> None:
         super().__init__()
         self._table: HostTable | None = None
         self._table_at = -1.0
 
-    @property
-    def hosts(self) -> bool:  # type: ignore[override]
-        """Whether a controller host runs (its table answers)."""
+    def hosts(self, entry: QueueEntry) -> bool:
+        """A controller host runs (its table answers) and the entry can be started there."""
+        if not hostable(entry):
+            return False
         table = self.table()
         return table is not None and table.incarnation is not None
 
-    def launch(self, entry: QueueEntry) -> str | None:
+    def launch(self, entry: QueueEntry) -> LaunchOutcome:
         if not entry.hosted:
             return super().launch(entry)
         import ray
@@ -196,14 +264,16 @@ class HostedLauncher(RayJobLauncher):
                         launch.entrypoint, tuple(sorted(launch.metadata.items())))  # fmt: skip
         try:
             incarnation = ray.get(self._host().start.remote(job), timeout=HOST_ASK_S)
-        except (ValueError, RayActorError) as e:
+        except (ValueError, RayActorError) as e:  # gone by name, or died as it was asked
             self._table = None
-            raise HostGone(f"the controller host is gone: {type(e).__name__}") from e
+            return LaunchOutcome(Launched.HOST_GONE, cause=f"the controller host is gone: "
+                                 f"{type(e).__name__}")  # fmt: skip
         except Exception as e:
-            why = f"{type(e).__name__}: {e}"
-            raise LaunchFailed(f"the controller host did not take it: {why}") from e
+            return LaunchOutcome.refused(
+                f"the controller host did not take it: {type(e).__name__}: {e}"
+            )
         self._table = None  # read afresh: it runs there now
-        return str(incarnation)
+        return LaunchOutcome(Launched.HOSTED, host=str(incarnation))
 
     def stop(self, job_id: str) -> None:
         import ray
@@ -215,13 +285,13 @@ class HostedLauncher(RayJobLauncher):
             pass
         super().stop(job_id)  # a Ray-job controller (or none: nothing happens)
 
-    def hosted_ended(self, entry: QueueEntry) -> str | None:
+    def standing(self, entry: QueueEntry) -> ControllerStanding:
+        if not entry.hosted:
+            return super().standing(entry)
         table = self.table()
-        return None if table is None else hosted_standing(table, entry)
+        return RUNNING_OR_UNKNOWN if table is None else hosted_standing(table, entry)
 
     def gone(self, job_id: str, cause: str) -> None:
-        from orchestrator import ray_private
-
         try:
             ray_private.end_job_row(job_id, "FAILED", f"FAILED: {cause}")
         except Exception:  # the dashboard's row only: the job's own status is what counts

@@ -1,9 +1,10 @@
 """Jobs whose controller died (`OrphanReaper`): a queue entry whose Ray driver is gone, or whose
 controller the service started and whose Ray job ended before it came, ends FAILED in the job's
 status, saying why, and leaves the queue, so what it held is freed for the jobs that wait. A
-controller marked started whose Ray job never came to exist is started again. A hosted
-controller (a thread of the controller host) is asked of the host: one gone with its host, or
-ended without recording its job's end, is failed the same way."""
+controller marked started that never came to exist is started again. How a controller the
+service started stands is its launcher's answer (`ControllerStanding`, scheduler/launcher.py):
+a hosted one (a thread of the controller host) gone with its host, or ended without recording
+its job's end, is failed the same way."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from orchestrator.errors import JobNotFound
 from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.cluster_reader import ClusterReader
-from orchestrator.scheduler.launcher import MISSING, ControllerLauncher
+from orchestrator.scheduler.launcher import ControllerLauncher, ControllerState
 from orchestrator.scheduler.queue_manager import QueueManager
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.queue_store import QueueEntry
@@ -56,16 +57,16 @@ class OrphanReaper:
         marking and submitting, or a head restarted): started again, as the same Ray job id."""
         if entry.launched_at is None or self.launcher is None:
             return False
-        ended = self.launcher.ended(entry.job_id)
-        if ended is None:
+        standing = self.launcher.standing(entry)
+        if standing.state is ControllerState.RUNNING_OR_UNKNOWN:
             return False
-        if ended == MISSING:  # marked before the submit goes out: given time
+        if standing.state is ControllerState.NOT_STARTED:  # marked before the submit goes out
             if time.time() - entry.launched_at > MISSING_GRACE_S and entry.launch is not None:
                 queue.ledger.update(entry, launched_at=None)  # the next decision starts it
             return False
         cause = (
             f"the job's controller (Ray job {entry.job_id}) ended before it started the job: "
-            f"{ended}"
+            f"{standing.cause}"
         )
         self._record_failed(entry.job_id, cause)
         return True
@@ -75,18 +76,17 @@ class OrphanReaper:
         none); one its host never started is started again after a grace, as a Ray job's."""
         if self.launcher is None:
             return False
-        ended = self.launcher.hosted_ended(entry)
-        if ended is None:
+        standing = self.launcher.standing(entry)
+        if standing.state is ControllerState.RUNNING_OR_UNKNOWN:
             return False
-        if ended == MISSING:
+        if standing.state is ControllerState.NOT_STARTED:
             late = entry.launched_at is None or time.time() - entry.launched_at > MISSING_GRACE_S
             if late and entry.hosted_by is None:  # the service died between marking and asking
                 queue.ledger.update(entry, launched_at=None)
             return False
-        if ended.startswith("FAILED: "):
-            cause = ended.removeprefix("FAILED: ")
-            self._record_failed(entry.job_id, cause)
-            self.launcher.gone(entry.job_id, cause)
+        if standing.state is ControllerState.FAILED:
+            self._record_failed(entry.job_id, standing.cause)
+            self.launcher.gone(entry.job_id, standing.cause)
         return True
 
     def _record_failed(self, job_id: str, cause: str) -> None:

@@ -26,12 +26,12 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from orchestrator import settings
+from orchestrator.agents.runtimes import cluster_runtime_kind
 from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.cluster_reader import ClusterReader
 from orchestrator.scheduler.image_prefetch import ImagePrefetch, Pull
 from orchestrator.scheduler.job_notes import JobNotes
-from orchestrator.scheduler.launcher import ControllerLauncher, HostGone, LaunchFailed
+from orchestrator.scheduler.launcher import ControllerLauncher, Launched
 from orchestrator.scheduler.model import Decision
 from orchestrator.scheduler.orphan_reaper import OrphanReaper
 from orchestrator.scheduler.policy import SchedulingPolicy
@@ -200,7 +200,8 @@ class RootQueue:
                 continue
             job_id = entry.job_id
             if entry.state == "admitted":  # marked (and how) before it is started
-                self.queue.ledger.update(entry, launched_at=now, hosted=self._hosts(entry))
+                hosted = self.launcher is not None and self.launcher.hosts(entry)
+                self.queue.ledger.update(entry, launched_at=now, hosted=hosted)
                 self.launches.submit(self._launch, self.queue.ledger[job_id])
             elif job_id in decision.impossible:
                 self.notes.end(job_id, JobState.DEPLOY_FAILED,
@@ -218,13 +219,6 @@ class RootQueue:
                     )
         return left
 
-    def _hosts(self, entry: QueueEntry) -> bool:
-        """Whether the entry's controller is started in the controller host (one pushed by an
-        older client, without what the host needs, is a Ray job)."""
-        launch = entry.launch
-        return bool(self.launcher is not None and self.launcher.hosts and launch is not None
-                    and launch.storage_root and launch.scheduling_timeout_s)  # fmt: skip
-
     def _launch(self, entry: QueueEntry) -> None:
         """Start an admitted job's controller (a pool thread); a refusal ends the job."""
         assert self.launcher is not None
@@ -233,23 +227,24 @@ class RootQueue:
             if self.notes.ended(entry.job_id):  # stopped by a client while no service ran
                 self._leave(entry.job_id)
                 return
-            try:
-                hosted_by = self.launcher.launch(entry)
-            except HostGone:  # as a Ray job, whose controller starts a host again
+            outcome = self.launcher.launch(entry)
+            if outcome.launched is Launched.HOST_GONE:
+                # A Ray job then, whose controller starts a host again; marked so first, as
+                # every start is (a service that dies in between starts it once, as that).
                 with self.lock:
                     if (current := self.queue.ledger.get(entry.job_id)) is None:
                         return  # stopped meanwhile
                     self.queue.ledger.update(current, hosted=False)
                     entry = self.queue.ledger[entry.job_id]
-                hosted_by = self.launcher.launch(entry)
-            if hosted_by is not None:
+                outcome = self.launcher.launch(entry)
+            if outcome.launched is Launched.REFUSED:
+                cause = f"the job's controller could not be started: {outcome.cause}"
+                self.notes.end(entry.job_id, JobState.DEPLOY_FAILED, cause)
+                self._leave(entry.job_id)
+            elif outcome.host is not None:
                 with self.lock:
                     if (current := self.queue.ledger.get(entry.job_id)) is not None:
-                        self.queue.ledger.update(current, hosted_by=hosted_by)
-        except LaunchFailed as e:
-            cause = f"the job's controller could not be started: {e}"
-            self.notes.end(entry.job_id, JobState.DEPLOY_FAILED, cause)
-            self._leave(entry.job_id)
+                        self.queue.ledger.update(current, hosted_by=outcome.host)
         except Exception:
             traceback.print_exc()
 
@@ -276,7 +271,7 @@ class RootQueue:
     def _beat(self) -> None:
         if self.session is None or time.monotonic() - self.last_beat < BEAT_S:
             return
-        self.store.beat(self.session, time.time(), settings.JOB_RUNTIME.get())
+        self.store.beat(self.session, time.time(), cluster_runtime_kind().said)
         self.last_beat = time.monotonic()
 
     # -- ticking --------------------------------------------------------------------------------

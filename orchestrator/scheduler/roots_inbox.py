@@ -1,4 +1,5 @@
-"""A storage root's first push without a Ray job, where the client shares the head's machine.
+"""A storage root's first push without a Ray job, where the client shares the head's machine
+(the bootstrap's first way: client/bootstrap.py).
 
 The queue service watches the roots it was told of. A root's first push elsewhere tells it by
 submitting the job's controller as a Ray job (a JobSupervisor and an interpreter: 2-3 s on a

@@ -1,8 +1,8 @@
 """The queue service: one detached actor per cluster (`orchestrator-queue`, on the head) that
 keeps one queue per storage root (`RootQueue`, scheduler/root_queue.py), reads the cluster from
-Ray (`RayCluster`, scheduler/cluster_reader.py) and starts admitted jobs' controllers in the
-controller host (`HostedLauncher`) or through the Job API (`RayJobLauncher`, both
-scheduler/launcher.py), unless handed other ones.
+Ray (`RayCluster`, scheduler/cluster_reader.py) and starts admitted jobs' controllers with
+the launcher the head's ORCHESTRATOR_CONTROLLERS names (`launcher_for`, scheduler/launcher.py),
+unless handed other ones.
 
 The roots it watches are kept in the GCS too (`KNOWN_ROOTS_KEY`): Ray restarts the actor when
 its process dies, and the new one watches the same roots at once, so jobs that wait with no
@@ -23,15 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import ray_private, settings
+from orchestrator.agents.runtimes import cluster_runtime_kind
 from orchestrator.scheduler import QUEUE_SERVICE_NAME
 from orchestrator.scheduler.cluster_reader import ClusterReader, RayCluster
 from orchestrator.scheduler.image_prefetch import ray_pull
-from orchestrator.scheduler.launcher import ControllerLauncher, HostedLauncher, RayJobLauncher
+from orchestrator.scheduler.launcher import ControllerLauncher, launcher_for
 from orchestrator.scheduler.policy import DEFAULT_HOLD_AFTER_S, SchedulingPolicy, WithinTeam
 from orchestrator.scheduler.queue_manager import Admission, QueueView
 from orchestrator.scheduler.root_queue import RootQueue
 from orchestrator.scheduler.roots_inbox import POLL_S, Inbox
-from orchestrator.scheduler.warm_host import WarmHost
 from orchestrator.storage.queue_store import QueueEntry
 
 TICK_S = 1.0
@@ -55,12 +55,11 @@ class QueueService:
         self.autoscaling, self.tick_s = autoscaling, tick_s
         in_ray = cluster is None
         self.cluster = cluster or RayCluster()
-        self.warm = _warm_host() if in_ray and launcher is None else None
-        self.launcher = launcher or (_launcher() if in_ray else None)
+        self.launcher = launcher or (launcher_for(settings.CONTROLLERS.get()) if in_ray else None)
         # Waiting jobs' images onto their nodes, where jobs run in containers (the cluster's
         # setting, which the head has as every node does).
-        container = settings.JOB_RUNTIME.get() == "container"
-        self.prefetch = ray_pull if in_ray and container else None
+        pulls = cluster_runtime_kind().nodes_pull_images
+        self.prefetch = ray_pull if in_ray and pulls else None
         self.known = GcsRoots() if in_ray else None
         self.queues: dict[str, RootQueue] = {}
         self.stops: dict[str, threading.Event] = {}
@@ -177,20 +176,6 @@ class QueueService:
 
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
-
-
-def _launcher() -> ControllerLauncher:
-    """Controllers as threads of the controller host, or each a Ray job, as the head says."""
-    return HostedLauncher() if settings.CONTROLLERS.get() == "hosted" else RayJobLauncher()
-
-
-def _warm_host() -> WarmHost | None:
-    """The process that forks controllers with their modules imported, unless turned off."""
-    if not settings.WARM_CONTROLLERS.get():
-        return None
-    import ray
-
-    return WarmHost.start(str(ray.get_runtime_context().gcs_address))
 
 
 class GcsRoots:
