@@ -1,18 +1,25 @@
-"""The docs as contracts: the CLI verb table, the settings tables and the storage tree are compared
-with the code they describe, so a change to one without the other fails here, naming what drifted.
-No Ray; reads the docs and imports the CLI app, settings.py and storage/layout.py."""
+"""The docs as contracts: the CLI verb table, the settings tables, the storage tree, the errors
+paragraph, the Python API's row and the push walkthrough's headings are compared with the code
+they describe, so a change to one without the other fails here, naming what drifted. No Ray;
+reads the docs and the package's source, and imports the CLI app, settings.py and
+storage/layout.py. (The node-local layout and "Not built yet": test_docs_layout.py and
+test_docs_not_built.py.)"""
 
 from __future__ import annotations
 
 import ast
+import builtins
+import inspect
 import re
 from pathlib import Path
 from typing import Any
 
 import typer
 
+import orchestrator
 from orchestrator import errors, settings
 from orchestrator.cli.app import app
+from orchestrator.client import api
 from orchestrator.storage import layout
 from orchestrator.storage.checkpoints import CheckpointStore, UploadSettings
 from orchestrator.storage.checkpoints import files_dir as checkpoint_files_dir
@@ -356,3 +363,107 @@ def test_every_orchestrator_error_is_defined_in_errors_py():
     outside = sorted(d for d in defined if d[0] != "errors.py")
     assert outside == [], f"OrchestratorErrors defined outside orchestrator/errors.py: {outside}"
     assert all(hasattr(errors, name) for path, name in defined if path == "errors.py")
+
+
+def exception_classes() -> dict[str, tuple[str, bool]]:
+    """Every exception class the package defines: its module (relative to the package) and
+    whether it is an OrchestratorError."""
+    raised = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
+              and issubclass(getattr(builtins, n), BaseException)}  # fmt: skip
+    classes = {
+        node.name: (
+            str(path.relative_to(PACKAGE)),
+            [ast.unparse(b).split(".")[-1] for b in node.bases],
+        )
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    found: dict[str, tuple[str, bool]] = {}
+    changed = True
+    while changed:  # subclasses of subclasses
+        changed = False
+        for name, (where, bases) in classes.items():
+            if name not in found and any(b in raised or b in found for b in bases):
+                ours = name == "OrchestratorError" or any(
+                    found.get(b, ("", False))[1] for b in bases
+                )
+                found[name], changed = (where, ours), True
+    return found
+
+
+def errors_paragraph() -> str:
+    text = (DOCS / "architecture.md").read_text()
+    start = text.index('<a id="errors"></a>')
+    return text[start : text.index("\n\n", start)]
+
+
+def test_the_errors_paragraph_names_every_error_a_user_can_catch():
+    paragraph = errors_paragraph()
+    users = paragraph[: paragraph.index("; the modules that raise them")]
+    named = {s for s in code_spans(users) if "/" not in s}
+    ours = {name for name, (_, mine) in exception_classes().items() if mine}
+    assert named == ours, (
+        f"docs/architecture.md#errors: not named: {sorted(ours - named)}; "
+        f"named but not an OrchestratorError: {sorted(named - ours)}"
+    )
+
+
+def test_the_errors_paragraph_names_every_internal_exception_where_it_is_defined():
+    """Each name stands before the module it is defined in: `A` and `B` (path.py, why)."""
+    paragraph = errors_paragraph()
+    start = paragraph.index("reach a user only as a job's cause or a")
+    internal = paragraph[start : paragraph.index("`tests/test_docs_contract.py`", start)]
+    documented: dict[str, str] = {}
+    names: list[str] = []
+    for m in re.finditer(r"\(([\w/]+\.py)[^)]*\)|`([^`]+)`", internal):
+        if m.group(1):
+            documented.update(dict.fromkeys(names, m.group(1)))
+            names = []
+        else:
+            names.append(m.group(2))
+    assert not names, f"named without their module: {names}"
+    defined = {name: where for name, (where, mine) in exception_classes().items() if not mine}
+    wrong = {n: (documented.get(n), defined.get(n)) for n in {*documented, *defined}
+             if documented.get(n) != defined.get(n)}  # fmt: skip
+    assert not wrong, f"docs/architecture.md#errors (documented, defined): {wrong}"
+
+
+def test_the_python_api_row_lists_what_client_api_defines():
+    (layers,) = [t for t in tables(section("architecture.md", "## Layers")) if len(t) > 20]
+    (cell,) = [row[2] for row in layers if row[1] == "`client/api.py`"]
+    public = {name for name, value in vars(api).items()
+              if not name.startswith("_") and (inspect.isfunction(value) or inspect.isclass(value))
+              and value.__module__ == api.__name__}  # fmt: skip
+    listed = {s for s in code_spans(cell) if s != "orchestrator" and "/" not in s}
+    assert listed == public, (
+        f"not listed: {public - listed}; not in client/api.py: {listed - public}"
+    )
+    reexported = {s for s in code_spans(cell[: cell.index("(re-exported by")])}
+    assert reexported == {n for n in public if getattr(orchestrator, n, None) is getattr(api, n)}
+
+
+def test_the_push_walkthrough_headings_name_methods_that_exist():
+    """`Class.method` in a heading of "A push, end to end", and a bare `_name` after one in the
+    same heading (a method of that class): each is defined on that class."""
+    classes = {
+        node.name: {
+            n.name for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    text = section("architecture.md", "## A push, end to end")
+    checked, missing = 0, []
+    for heading in re.findall(r"^### .*$", text, re.M):
+        owner = None
+        for span in code_spans(heading):
+            if "." in span and "/" not in span:
+                owner, span = span.split(".", 1)
+            elif owner is None or not span.startswith("_"):
+                continue
+            checked += 1
+            if span not in classes.get(owner, set()):
+                missing.append(f"{owner}.{span} ({heading})")
+    assert checked >= 4 and not missing, f"{checked} method names checked; not defined: {missing}"

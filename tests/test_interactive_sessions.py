@@ -79,6 +79,7 @@ def test_on_failure_keeps_a_failed_job_s_nodes_and_files(tmp_path, ray_cluster):
     job = session_job(tmp_path, 'd.InteractiveSession(trigger="on_failure", timeout_minutes=1)',
                       code=7)  # fmt: skip
     wait_held(job)
+    seen_held_at = time.time()
     held = job.details()
     assert held.state == JobState.RUNNING
     assert "held for an interactive session until" in held.history[-1].reason
@@ -86,11 +87,16 @@ def test_on_failure_keeps_a_failed_job_s_nodes_and_files(tmp_path, ray_cluster):
     code, output = job.exec("cat $BT_CHECKPOINT_DIR/note.txt")
     assert (code, output) == (0, "left by the job")
     assert not released(job, ray_cluster)
+    # Held for its minute from the failure, which came after RUNNING began and before the hold
+    # was seen (as `view` shows it); and still held, after the exec.
+    assert held.history[-1].at + 60 <= held.held_until <= seen_held_at + 60, held.held_until
+    still = job.details()
+    assert (still.state, still.held_until) == (JobState.RUNNING, held.held_until)
 
-    time.sleep(3)
-    assert job.status() == JobState.RUNNING  # still held: its minute is not up
     assert job.stop() == JobState.FAILED  # the hold ends; the failure is what is recorded
     assert job.details().failure.exit_code == 7
+    # The stop ended the session, not its time (the minute was not up).
+    assert any("interactive session over (stopped)" in line for line in job.logs())
     deadline = time.monotonic() + 30
     while not released(job, ray_cluster):
         assert time.monotonic() < deadline, "a held job left its nodes reserved"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator import settings
@@ -52,41 +53,83 @@ def _over_limits(job: TrainingJob) -> list[str]:
     ]
 
 
-def check_support(job: TrainingJob) -> SupportReport:
-    errors: list[str] = _over_limits(job)
-    notices: list[str] = []
+def _session_editor(job: TrainingJob) -> list[str]:
     session = job.interactive_session
-    if session is not None:
-        notices.append(
-            f"interactive_session ({session.trigger.value}): the nodes are held for "
-            f"{session.timeout_minutes} min as the trigger says; reach them with `orchestrator "
-            f"shell --job-id ID` (no {session.session_provider.value} remote editor here)"
-        )
-    for i, w in enumerate(job.weights):
-        if w.auth and w.auth.auth_method != WeightsAuthMethod.CUSTOM_SECRET:
-            errors.append(
-                f"weights[{i}].auth: {w.auth.auth_method.value} is Baseten's cloud identity; "
-                "use auth_method CUSTOM_SECRET with a secret holding the credentials"
-            )
+    if session is None:
+        return []
+    return [
+        f"interactive_session ({session.trigger.value}): the nodes are held for "
+        f"{session.timeout_minutes} min as the trigger says; reach them with `orchestrator "
+        f"shell --job-id ID` (no {session.session_provider.value} remote editor here)"
+    ]
+
+
+def _cloud_weights_auth(job: TrainingJob) -> list[str]:
+    return [
+        f"weights[{i}].auth: {w.auth.auth_method.value} is Baseten's cloud identity; "
+        "use auth_method CUSTOM_SECRET with a secret holding the credentials"
+        for i, w in enumerate(job.weights)
+        if w.auth and w.auth.auth_method != WeightsAuthMethod.CUSTOM_SECRET
+    ]
+
+
+def _loops_checkpoints(job: TrainingJob) -> list[str]:
     load = job.runtime.load_checkpoint_config
-    if load is not None and load.enabled:
-        for i, ref in enumerate(load.checkpoints):
-            if ref.typ == "loops_checkpoint":
-                errors.append(
-                    f"runtime.load_checkpoint_config.checkpoints[{i}]: Loops checkpoints live in "
-                    "Baseten Loops; use BasetenCheckpoint references to orchestrator jobs"
-                )
+    if load is None or not load.enabled:
+        return []
+    return [
+        f"runtime.load_checkpoint_config.checkpoints[{i}]: Loops checkpoints live in "
+        "Baseten Loops; use BasetenCheckpoint references to orchestrator jobs"
+        for i, ref in enumerate(load.checkpoints)
+        if ref.typ == "loops_checkpoint"
+    ]
+
+
+def _spot(job: TrainingJob) -> list[str]:
+    if job.compute.availability_model != AvailabilityModel.SPOT:
+        return []
+    return ["availability_model spot is recorded only: Ray places the job like any other"]
+
+
+@dataclass(frozen=True)
+class Unbuilt:
+    """A Baseten feature with no runtime here: `config`, the field docs/architecture.md's "Not
+    built yet" names it by; whether push `refused` a job that asks for it (else the job runs
+    without it, with a notice); `find`, one message per use of it in a job."""
+
+    config: str
+    refused: bool
+    find: Callable[[TrainingJob], list[str]]
+
+
+# What check_support says of each, in this order. A new one is one entry here, a row in the docs'
+# "Not built yet" and a job that asks for it in tests/test_docs_not_built.py.
+UNBUILT: tuple[Unbuilt, ...] = (
+    Unbuilt("interactive_session.session_provider", refused=False, find=_session_editor),
+    Unbuilt("weights[].auth.auth_method", refused=True, find=_cloud_weights_auth),
+    Unbuilt(
+        "runtime.load_checkpoint_config.checkpoints[].typ", refused=True, find=_loops_checkpoints
+    ),
+    Unbuilt("compute.availability_model", refused=False, find=_spot),
+)
+
+
+def _ignored_keys(job: TrainingJob) -> list[str]:
+    """Keys Baseten's models take and drop (ConfigModel allows extras): dropped here too."""
     models = [("compute.accelerator", job.compute.accelerator)]
     models += [(f"weights[{i}]", w) for i, w in enumerate(job.weights)]
-    for where, model in models:
-        if model is not None and model.model_extra:
-            keys = ", ".join(map(repr, sorted(model.model_extra)))
-            notices.append(
-                f"{where}: {keys} is not a field of {type(model).__name__} and is ignored "
-                "(Baseten accepts unknown keys there too)"
-            )
-    if job.compute.availability_model == AvailabilityModel.SPOT:
-        notices.append(
-            "availability_model spot is recorded only: Ray places the job like any other"
-        )
+    return [
+        f"{where}: {', '.join(map(repr, sorted(model.model_extra)))} is not a field of "
+        f"{type(model).__name__} and is ignored (Baseten accepts unknown keys there too)"
+        for where, model in models
+        if model is not None and model.model_extra
+    ]
+
+
+def check_support(job: TrainingJob) -> SupportReport:
+    """What push refuses (the limits, then each refused UNBUILT feature) and what it notes (each
+    recorded one, then the keys it ignores), before anything is created."""
+    found = [(gap, message) for gap in UNBUILT for message in gap.find(job)]
+    errors = _over_limits(job) + [message for gap, message in found if gap.refused]
+    notices = [message for gap, message in found if not gap.refused] + _ignored_keys(job)
     return SupportReport(errors=tuple(errors), notices=tuple(notices))

@@ -1,4 +1,10 @@
-"""Where a node keeps what orchestrator puts on its local disk."""
+"""Where a node keeps what orchestrator puts on its local disk.
+
+`RANK_DIR` declares what a rank's directory holds, whichever module writes it; `RankDirs` names
+those paths for the code. docs/architecture.md's node-local layout lists exactly RANK_DIR's
+entries, in its order (tests/test_docs_layout.py checks it, that RankDirs names nothing else,
+and that what a prepare leaves there is declared).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator import settings
+from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS
 
 NODE_ROOT_ENV = settings.NODE_ROOT.name
+
+# A rank's directory, `<node root>/jobs/<job_id>/rank-<n>/`: each entry's name (a directory's
+# ends with `/`; `<...>` is one path segment) and who writes it.
+RANK_DIR: tuple[tuple[str, str], ...] = (
+    ("workspace/", "the unpacked archive, $BT_WORKING_DIR (NodePreparer)"),
+    ("scratch/", "$BT_SCRATCH_DIR (NodePreparer)"),
+    ("checkpoints/", "the default $BT_CHECKPOINT_DIR (NodePreparer; the job writes into it)"),
+    ("loaded_checkpoints/", "the default download_folder's private copy (NodePreparer)"),
+    ("cache/", "the training cache's links for the default mount_base_path (mount_caches)"),
+    ("set-aside/attempt-<a>/<name>/", "checkpoints moved aside before a retry (the uploader)"),
+    (EARLIER_CHECKPOINTS, "what the checkpoint directory held before the job (NodePreparer)"),
+    ("workspace.tar", "the downloaded archive, while prepare unpacks it (NodePreparer)"),
+    ("failed", "container runtime: the failed command and memory kills (the container's shell)"),
+    ("oom", "container runtime: left by podman's conmon after a kill for memory"),
+    ("shell-<id>.pid", "container runtime: a shell command's pid inside (podman.exec_argv)"),
+    ("shell-<id>.exit", "container runtime: that command's exit code (podman.exec_argv)"),
+)
+_DECLARED = frozenset(name.split("/")[0] for name, _ in RANK_DIR)  # top-level names
+
+
+def _declared(name: str) -> str:
+    """`name` if RANK_DIR declares it (at the top of the rank's directory): RankDirs can name
+    no path the layout does not list."""
+    if name not in _DECLARED:
+        raise ValueError(f"{name!r} is not in node_root.RANK_DIR")
+    return name
 
 
 def node_root() -> Path:
@@ -40,23 +73,49 @@ class RankDirs:
 
     @property
     def workspace(self) -> Path:
-        return self.base / "workspace"
+        return self.base / _declared("workspace")
 
     @property
     def scratch(self) -> Path:
-        return self.base / "scratch"
+        return self.base / _declared("scratch")
 
     @property
     def checkpoints(self) -> Path:
         """The default $BT_CHECKPOINT_DIR."""
-        return self.base / "checkpoints"
+        return self.base / _declared("checkpoints")
 
     @property
     def loaded_checkpoints(self) -> Path:
         """Baseten's default download_folder, made private to the job."""
-        return self.base / "loaded_checkpoints"
+        return self.base / _declared("loaded_checkpoints")
 
     @property
     def cache(self) -> Path:
         """The training cache's links, unless mount_base_path is set."""
-        return self.base / "cache"
+        return self.base / _declared("cache")
+
+    def set_aside(self, attempt: int) -> Path:
+        """Where checkpoints not to resume from are moved before `attempt` (kept on the node)."""
+        return self.base / _declared("set-aside") / f"attempt-{attempt}"
+
+    @property
+    def earlier_checkpoints(self) -> Path:
+        """What the checkpoint directory held before the job: not the job's to upload."""
+        return self.base / _declared(EARLIER_CHECKPOINTS)
+
+    @property
+    def archive(self) -> Path:
+        """The code archive as downloaded; removed once unpacked."""
+        return self.base / _declared("workspace.tar")
+
+    @property
+    def failed(self) -> Path:
+        """In a container: which command failed, and how many processes the kernel killed for
+        memory (the container's shell writes it; node/podman.py)."""
+        return self.base / _declared("failed")
+
+    @property
+    def oom(self) -> Path:
+        """What podman's conmon leaves in its working directory (this one) after the kernel
+        killed a process of the container for memory."""
+        return self.base / _declared("oom")
