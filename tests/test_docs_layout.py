@@ -223,5 +223,7 @@ def test_a_clear_keeps_what_the_docs_say_is_not_deleted(tmp_path, monkeypatch):
     dirs.oom.touch()
     preparer.clear(keep_checkpoints=False)
     assert listing(dirs.base) == [
-        "failed", "oom", "set-aside", "set-aside/attempt-1", "set-aside/attempt-1/checkpoint-3"
-    ]  # fmt: skip
+        "set-aside",
+        "set-aside/attempt-1",
+        "set-aside/attempt-1/checkpoint-3",
+    ]

@@ -34,7 +34,6 @@ from orchestrator.node.rank_runtime import ImagePull, RankPlace
 from orchestrator.node.secrets import resolve_secret
 from orchestrator.spec.checkpoints import DEFAULT_DOWNLOAD_FOLDER
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
-from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS
 from orchestrator.storage.root import StorageRoot
 
 # Weights and the training cache are imported where a job uses them: every job's agent worker
@@ -87,7 +86,7 @@ class NodePreparer:
         """What the node prepared for the rank, which a container of the job's image sees."""
         binds, read_only = self.binds()
         return RankPlace(
-            name=self.holder[0], status_file=str(self.dirs.base / "failed"), binds=tuple(binds),
+            name=self.holder[0], status_file=str(self.dirs.failed), binds=tuple(binds),
             read_only=tuple(read_only), gpus=self.gpus, digest=self.image_digest,
         )  # fmt: skip
 
@@ -103,7 +102,7 @@ class NodePreparer:
             shutil.rmtree(dirs.workspace)
         dirs.workspace.mkdir(parents=True)
         dirs.scratch.mkdir(parents=True, exist_ok=True)
-        local_tar = dirs.base / "workspace.tar"
+        local_tar = dirs.archive
         self.storage.get_file(request.archive_path, local_tar)
         digest = _sha256(local_tar)
         if digest != request.sha256:
@@ -213,7 +212,8 @@ class NodePreparer:
         shutil.rmtree(dirs.scratch, ignore_errors=True)
         shutil.rmtree(dirs.workspace, ignore_errors=True)
         shutil.rmtree(dirs.loaded_checkpoints, ignore_errors=True)
-        (dirs.base / EARLIER_CHECKPOINTS).unlink(missing_ok=True)
+        for leftover in (dirs.earlier_checkpoints, dirs.failed, dirs.oom):
+            leftover.unlink(missing_ok=True)
         if not keep_checkpoints:
             shutil.rmtree(dirs.checkpoints, ignore_errors=True)
         for empty in (dirs.checkpoints, dirs.base, dirs.base.parent):
