@@ -185,7 +185,7 @@ def submit(
     colocate_ranks: bool = False,
     retry: RetryPolicy | None = None,
 ) -> JobRecord:
-    """Store the job, then submit its Ray job (submission id = job id)."""
+    """Store the job, then put it in the cluster's queue (`submit_record`)."""
     check_storage_reachable(connection, root)
     # A bad value is refused before anything exists.
     upload_settings, storage_settings = UploadSettings.from_env(), StorageSettings.from_env()
