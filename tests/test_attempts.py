@@ -6,6 +6,7 @@ the job. What the attempts asked of it, and what the job's status says, are chec
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,25 @@ def test_no_room_for_a_replacement_is_unrecoverable(run):
         attempts(job_run, port).run()
     assert port.calls == ["replace [0]"]
     assert job_run.status.state == JobState.PENDING  # the controller records how it ends
+
+
+class GrowingPlan(SpecPlan):
+    """A policy that asks for one rank more after the first attempt."""
+
+    def plan(self, attempt: int, last: GroupPlan | None = None) -> GroupPlan:
+        plan = super().plan(attempt, last)
+        if attempt == 0:
+            return plan
+        return dataclasses.replace(plan, ranks=(*plan.ranks, plan.ranks[0]))
+
+
+def test_a_plan_of_another_size_on_the_same_group_is_refused_saying_so(run):
+    job_run, store = run(RetryPolicy(retries=1))
+    job_nodes, nodes = nodes_of(job_run, store)
+    nodes.endings = [KEEP_RUNNING, KEEP_RUNNING]
+    nodes.lose = {0: 1}
+    port = FakePort(job_run, job_nodes)
+    plans = GrowingPlan(job_run.record)
+    with pytest.raises(Unrecoverable, match="resizing a placed group is not built yet"):
+        Attempts(job_run, port, plans.plan(0), plans).run()
+    assert port.calls == []  # refused before anything was replaced

@@ -313,3 +313,24 @@ def test_a_replacement_lost_while_being_prepared_is_one_more_fault(job):
     assert states(handle)[2:] == [
         "RUNNING", "PENDING", "DEPLOYING", "PENDING", "DEPLOYING", "RUNNING", "COMPLETED",
     ]  # fmt: skip
+
+
+def test_a_checkpoint_directory_over_its_volume_fails_the_job_without_a_retry(job):
+    """The volume watcher's fault: never retried, whatever `retries` allows; the job's cause is
+    the uploader's own words, and the checkpoints are flushed before the end is recorded."""
+    controller, nodes, handle = job(checkpointing=True, retry=RetryPolicy(retries=2))
+    nodes.endings = [KEEP_RUNNING, KEEP_RUNNING]
+    over = (
+        "checkpoint directory on rank 1 holds 1.20 GiB, over volume_size_gib=1: delete old "
+        "checkpoints or raise volume_size_gib"
+    )
+    nodes.uploaders.over_volume = over
+    assert controller.run() == JobState.FAILED
+    assert handle.details().failure.cause == over
+    (attempt,) = handle.details().attempts
+    assert attempt.cause == "over_volume" and attempt.reason == over
+    assert attempt.decision == "ended: a checkpoint directory over volume_size_gib is not retried"
+    assert nodes.calls.count("start") == 1
+    assert nodes.calls[-3:] == [
+        "stop", "flush (stored state RUNNING)", "release (stored state FAILED)",
+    ]  # fmt: skip
