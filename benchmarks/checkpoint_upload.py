@@ -78,11 +78,11 @@ def run_uploader(conn: Connection, storage_root: str, local_dir: str, settings: 
         conn.send(_upload_times(uploader.events))
     start = time.monotonic()
     result = uploader.flush(clean=True)
-    entries = result["entries"]
+    entries = result.entries
     conn.send(
         {
             "flush_s": time.monotonic() - start,
-            "uploaded_s": _upload_times(result["events"]),
+            "uploaded_s": _upload_times(result.events),
             "pending": [e.name for e in entries if e.state == "pending"],
             "failed": {e.name: e.reason for e in entries if e.state == "failed"},
             "cpu_s": _cpu_s(),

@@ -32,8 +32,9 @@ def run(agent: NodeAgent, commands: list[str], cwd: Path, secrets=None, env=None
     return lines, result
 
 
-def gone(pid: int, timeout: float) -> bool:
-    """True once `pid` has exited (a zombie counts: it runs no more), within `timeout`."""
+def gone(pid: int, timeout: float = 10) -> bool:
+    """True once `pid` has exited (a zombie counts: it runs no more), within `timeout`: a
+    SIGKILLed process is gone a moment after the signal."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -41,7 +42,7 @@ def gone(pid: int, timeout: float) -> bool:
                 return True
         except psutil.NoSuchProcess:
             return True
-        time.sleep(0.1)
+        time.sleep(0.05)
     return False
 
 

@@ -15,8 +15,8 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from test_node_agent import gone
 
 from orchestrator.agents.command_runner import CommandRunner
 from orchestrator.agents.messages import CommandsEnded, ImageRequest, OutputLines
@@ -220,20 +220,6 @@ def test_the_runner_runs_the_commands_as_the_runtime_it_is_given_says(tmp_path):
 def start_alone(runtime: OnHost, command: str, tmp_path: Path) -> subprocess.Popen[bytes]:
     """`command` as the runtime starts a rank's, without the agent's guard."""
     return runtime.start((command,), dict(os.environ), str(tmp_path), guard=[])
-
-
-def gone(pid: int, timeout: float = 10) -> bool:
-    """True once `pid` has exited (a zombie runs no more), within `timeout`: a SIGKILLed
-    process is gone a moment after the signal."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_host_stop_ends_every_process_of_the_command_at_once_or_after_its_grace(tmp_path):
