@@ -1,12 +1,14 @@
-"""A job's attempts: run every rank's commands, and carry the job over a fault when its retry
-policy says so.
+"""A job's attempts: the loop in Ray Train v2's shape that runs every rank's program and carries
+the job over a fault when its retry policy says so (docs/architecture.md#the-attempt-loop).
 
-One attempt is one run of the commands on every rank (BT_RETRY_COUNT = its number). When one
-ends badly, its fault is recorded, every process of it is stopped (a preempted node's within
-its notice) and its checkpoints are stored; the failure policy decides. A retry replaces only
-what was lost (a lost node's bundle, which Ray places again by itself, gets a new agent that
-prepares it from scratch; the surviving nodes keep their code, weights and caches), restores
-the job's latest complete checkpoint on each rank that lacks it, and starts every rank again.
+One attempt is one run of the plan's programs on every rank (BT_RETRY_COUNT = its number): its
+`GroupPlan` in, the rank group's `GroupPoll`s out, the watchers (watchers.py) and the fault
+judge saying what ended it. When one ends badly, its fault is recorded, every process of it is
+stopped (a preempted node's within its notice) and its checkpoints are stored; the failure
+policy decides. A retry replaces only what was lost (a lost node's bundle, which Ray places
+again by itself, gets a new agent that prepares it from scratch; the surviving nodes keep their
+code, weights and caches), restores the job's latest complete checkpoint on each rank that
+lacks it, and starts every rank again.
 """
 
 from __future__ import annotations

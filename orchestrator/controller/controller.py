@@ -1,10 +1,11 @@
 """Drives one job through its states: reserve nodes, prepare them, run, record how it ended.
 
-Runs as the entrypoint of the job's Ray job. Every transition is written to the storage root
-before the next step starts, so a reader (or a later controller) always sees the truth; while
-the storage root is unreachable the job goes on and its journal stores lines and states, in
-order, once it is back (storage/journal.py). The run's status is the JobRun's; getting onto
-nodes is the Deployment's; the attempts drive the controller as their RunPort.
+Runs as a thread of the controller host, or as the entrypoint of the job's own Ray job. Every
+transition is written to the storage root before the next step starts, so a reader (or a later
+controller) always sees the truth; while the storage root is unreachable the job goes on and its
+journal stores lines and states, in order, once it is back (storage/journal.py). The run's
+status is the JobRun's; getting onto nodes is the Deployment's; the attempts drive the
+controller as their RunPort.
 """
 
 from __future__ import annotations

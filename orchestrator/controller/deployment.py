@@ -1,5 +1,5 @@
-"""Putting a job on nodes: mirror its weights, wait in the cluster's queue, reserve a node group
-and prepare every node; for a retry, place and prepare lost ranks again.
+"""Putting a job on nodes: mirror its weights, wait in the cluster's queue, place a plan's
+bundles and prepare every rank; for a retry, place and prepare lost ranks again.
 
 The first start and a start after the queue preempted the job take one path
 (`place_and_prepare`). A step that cannot be done fails the deploy with a cause that says why.
@@ -45,7 +45,7 @@ class DeployFailed(Exception):
 
 
 class Deployment:
-    """Puts the job's run on a node group and keeps what a replaced rank is prepared with."""
+    """Puts the job's run on its nodes and keeps what a replaced rank is prepared with."""
 
     def __init__(
         self, run: JobRun, store: JobStore, queue: JobQueue, scheduling_timeout_s: float
