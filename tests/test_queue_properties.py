@@ -4,8 +4,13 @@ A seeded generator drives `queue_sim.SimCluster` through random clusters (H100, 
 nodes joining and leaving, work that is not the queue's), teams with random quotas (or none),
 jobs of every shape (several nodes, colocated), priorities, priority changes, quota changes,
 jobs ending, and whatever the policy preempts and requeues, under each preemption-within-team
-mode. Every check is computed here from the snapshot and the decision, not by asking the
-policy's own helpers. A failure names its seed and step: `run(seed)` replays it.
+mode. Half the clusters are *roomy* (GPU nodes with CPUs to spare), half *tight*, as issue 58's:
+4-GPU nodes with 8 CPUs, memory as scarce as CPUs, several GPU kinds, CPU and memory used by work
+that is not the queue's, many small CPU-only jobs beside the GPU ones. A fifth of the steps are
+*quiet*: nothing happens but the next decision a tick later (what was admitted runs, what was
+preempted is still leaving), which must preempt no job the decision before admitted. Every
+check is computed here from the snapshot and the decision, not by asking the policy's own
+helpers. A failure names its seed and step: `run(seed)` replays it.
 """
 
 from __future__ import annotations
@@ -28,61 +33,88 @@ from orchestrator.scheduler.policy import (
 )
 from orchestrator.scheduler.resources import Resources, total
 
-NODE_KINDS = {
+GIB = 2**30
+ROOMY = {
     "h100": Resources.of(H100=8, CPU=32),
     "a100": Resources.of(A100=4, CPU=16),
     "cpu": Resources.of(CPU=16),
 }
+TIGHT = {  # issue 58's nodes: CPUs and memory run out before the GPUs do
+    "h100x4": Resources.of(H100=4, CPU=8, memory=32 * GIB),
+    "h100x8": Resources.of(H100=8, CPU=16, memory=64 * GIB),
+    "a100x4": Resources.of(A100=4, CPU=8, memory=32 * GIB),
+    "cpu": Resources.of(CPU=16, memory=64 * GIB),
+}
 TEAMS = ("a", "b", "c", None)
-SEEDS = 300
+SEEDS = 330
 STEPS = 120
+QUIET = 0.2  # the share of steps in which nothing happens before the decision
+TICK = 2**-10  # a quiet step's: the next tick (exact in binary, so no job's hold is crossed)
 EPS = 1e-6
 
 
 def test_the_queue_keeps_its_promises_over_100_000_random_operations():
     started = time.process_time()  # this test's own CPU time: other work on the machine aside
-    ops = decisions = 0
+    ops = decisions = quiet = 0
     for seed in range(SEEDS):
-        o, d = run(seed)
-        ops, decisions = ops + o, decisions + d
+        o, d, q = run(seed)
+        ops, decisions, quiet = ops + o, decisions + d, quiet + q
     took = time.process_time() - started
-    print(f"{ops} operations ({decisions} decisions) in {took:.1f} s of CPU")
+    print(f"{ops} operations ({decisions} decisions, {quiet} quiet) in {took:.1f} s of CPU")
     assert ops >= 100_000 and took < 60
 
 
-def run(seed: int, steps: int = STEPS) -> tuple[int, int]:
-    """One random history; (operations, decisions). AssertionError names the seed and step."""
+def run(seed: int, steps: int = STEPS) -> tuple[int, int, int]:
+    """One random history; (operations, decisions, quiet decisions). AssertionError names the
+    seed and step."""
     rng = random.Random(seed)
     mode = rng.choice(list(WithinTeam))
     hold = rng.choice((30.0, 120.0, 600.0))
-    capacity = {f"n{i}": NODE_KINDS[rng.choice(list(NODE_KINDS))] for i in range(rng.randint(1, 4))}
+    kinds = TIGHT if rng.random() < 0.5 else ROOMY
+    size = rng.randint(1, 4) if kinds is ROOMY else rng.randint(2, 6)
+    capacity = {f"n{i}": kinds[rng.choice(list(kinds))] for i in range(size)}
     quotas = {t: q for t in "abc" if (q := random_quota(rng)) is not None}
     sim = SimCluster(capacity, quotas, SchedulingPolicy(hold, mode))
-    ops = serial = 0
+    if kinds is TIGHT:
+        for node in capacity:
+            add_foreign(rng, sim, node)
+    ops = serial = quiet_steps = 0
+    admitted: set[str] = set()  # by the decision before
     for step in range(steps):
-        sim.now += rng.choice((1.0, 5.0, 20.0, 60.0))
-        for _ in range(rng.randint(0, 3)):
-            if len(sim.queued) < 30:
-                serial += 1
-                sim.push(f"j{serial}", rng.choice(TEAMS), random_demand(rng), rng.randint(0, 3),
-                         resumable=rng.random() < 0.6)  # fmt: skip
-                ops += 1
-        ops += random_events(rng, sim, serial)
-        sim.requeue_leaving()
+        quiet = step > 0 and rng.random() < QUIET
+        if quiet:
+            quiet_steps += 1
+            sim.now += TICK  # what it preempted is still leaving; what it admitted runs
+        else:
+            sim.now += rng.choice((1.0, 5.0, 20.0, 60.0))
+            for _ in range(rng.randint(0, 3)):
+                if len(sim.queued) < 30:
+                    serial += 1
+                    sim.push(f"j{serial}", rng.choice(TEAMS), random_demand(rng, kinds),
+                             rng.randint(0, 3), resumable=rng.random() < 0.6)  # fmt: skip
+                    ops += 1
+            ops += random_events(rng, sim, kinds)
+            sim.requeue_leaving()  # what the decision before preempted has left
         snap = sim.snapshot()
         decision = sim.policy.decide(snap)
         try:
             check(snap, decision, mode, hold)
+            for p in decision.preempt if quiet else ():
+                assert p.victim not in admitted, (
+                    f"{p.victim} admitted, then preempted for {p.for_job} at the next decision, "
+                    "nothing else changed"
+                )
         except AssertionError as e:
             raise AssertionError(f"seed {seed}, step {step}: {e}") from None
         sim.carry_out(decision)
+        admitted = {a.job_id for a in decision.admit}
         for job_id in decision.impossible:  # DEPLOY_FAILED: it leaves the queue
             sim.end(job_id)
         ops += 1
-    return ops, steps
+    return ops, steps, quiet_steps
 
 
-def random_events(rng: random.Random, sim: SimCluster, serial: int) -> int:
+def random_events(rng: random.Random, sim: SimCluster, kinds: Mapping[str, Resources]) -> int:
     """Jobs end, nodes join and go, quotas, priorities and other work change; how many."""
     events = 0
     for job in list(sim.running.values()):
@@ -90,7 +122,7 @@ def random_events(rng: random.Random, sim: SimCluster, serial: int) -> int:
             sim.end(job.job_id)
             events += 1
     if rng.random() < 0.04 and len(sim.capacity) < 6:
-        sim.capacity[f"m{sim.now:g}"] = NODE_KINDS[rng.choice(list(NODE_KINDS))]
+        sim.capacity[f"m{sim.now:g}"] = kinds[rng.choice(list(kinds))]
         events += 1
     if rng.random() < 0.03 and len(sim.capacity) > 1:
         lost = rng.choice(sorted(sim.capacity))
@@ -107,16 +139,23 @@ def random_events(rng: random.Random, sim: SimCluster, serial: int) -> int:
         else:
             sim.quotas[team] = quota
         events += 1
-    if rng.random() < 0.04:
-        node = rng.choice(sorted(sim.capacity))  # a Serve replica comes or goes: only on room
-        room = sim.capacity[node] - _ours(sim.running.values(), node)  # the queue's jobs leave
-        sim.foreign[node] = Resources.of(CPU=min(rng.choice((0, 0, 2, 4)), room.get("CPU")))
+    if rng.random() < (0.04 if kinds is ROOMY else 0.1):
+        add_foreign(rng, sim, rng.choice(sorted(sim.capacity)))
         events += 1
     if rng.random() < 0.05 and sim.queued:
         job_id = rng.choice(sorted(sim.queued))
         sim.queued[job_id] = replace(sim.queued[job_id], priority=rng.randint(0, 3))
         events += 1
     return events
+
+
+def add_foreign(rng: random.Random, sim: SimCluster, node: str) -> None:
+    """A Serve replica comes or goes on `node`: only on room (the queue's jobs leave it)."""
+    room = sim.capacity[node] - _ours(sim.running.values(), node)
+    work = {"CPU": min(rng.choice((0, 0, 1, 2, 4)), room.get("CPU"))}
+    if room.get("memory") > 0:
+        work["memory"] = min(rng.choice((0, 1, 1, 4)) * GIB, room.get("memory"))
+    sim.foreign[node] = Resources(work)
 
 
 def random_quota(rng: random.Random) -> dict[str, float] | None:
@@ -132,7 +171,9 @@ def random_quota(rng: random.Random) -> dict[str, float] | None:
     return quota
 
 
-def random_demand(rng: random.Random) -> Demand:
+def random_demand(rng: random.Random, kinds: Mapping[str, Resources]) -> Demand:
+    if kinds is TIGHT:
+        return tight_demand(rng)
     kind = rng.random()
     if kind < 0.35:
         bundle = Resources.of(CPU=rng.choice((1, 2, 4, 8)))
@@ -144,6 +185,22 @@ def random_demand(rng: random.Random) -> Demand:
         bundle = Resources.of(A100=g, CPU=rng.choice((1, 4)))
     nodes = rng.choice((1, 1, 1, 2, 3))
     return Demand(bundle, nodes, colocated=nodes > 1 and rng.random() < 0.25)
+
+
+def tight_demand(rng: random.Random) -> Demand:
+    """Half of them small CPU-only jobs, often on several nodes; GPU jobs of both kinds."""
+    memory = rng.choice((1, 4, 8, 16)) * GIB
+    kind = rng.random()
+    if kind < 0.5:
+        bundle = Resources.of(CPU=rng.choice((1, 2, 2, 4)), memory=memory)
+    elif kind < 0.85:
+        bundle = Resources.of(H100=rng.choice((1, 2, 2, 4)), CPU=rng.choice((1, 2, 4, 8)),
+                              memory=memory)  # fmt: skip
+    else:
+        bundle = Resources.of(A100=rng.choice((1, 2, 4)), CPU=rng.choice((1, 4, 8)),
+                              memory=memory)  # fmt: skip
+    nodes = rng.choice((1, 1, 2, 2, 3, 5))
+    return Demand(bundle, nodes, colocated=nodes > 1 and rng.random() < 0.3)
 
 
 # -- the promises ---------------------------------------------------------------------------------
@@ -174,7 +231,8 @@ def check(snap: ClusterSnapshot, d: Decision, mode: WithinTeam, hold: float) -> 
     for node, used in later.items():
         assert _holds(capacity[node], used), f"{node} over capacity once held room is taken"
 
-    # Borrowed, recomputed: a team's jobs by priority, then start, are its own while they fit.
+    # Borrowed, recomputed: a team's jobs in the order they started, each its own while what
+    # it uses of its quota fits beside the jobs before it.
     after = [*running.values()]  # admitted jobs started in the order they were admitted
     after += [_as_running(queued[a.job_id], a.placed_on, snap.now + i * 1e-6)
               for i, a in enumerate(d.admit)]  # fmt: skip
@@ -182,6 +240,20 @@ def check(snap: ClusterSnapshot, d: Decision, mode: WithinTeam, hold: float) -> 
     for team, quota in snap.quotas.items():
         own = total(r.demand.total for r in after if r.team == team and r.job_id not in d.borrowed)
         assert _within_limits(own, quota), f"team {team}'s own jobs exceed its quota"
+    # Admitting a job makes no running job borrow: one admitted beyond its quota is the one that
+    # borrows, and a job borrows only a resource it uses that its team's quota limits.
+    lenders = _borrowed(list(running.values()), snap.quotas)
+    for r in snap.running:
+        assert r.job_id in lenders or r.job_id not in d.borrowed, (
+            f"{r.job_id}, its team's own, borrows once {[a.job_id for a in d.admit]} are admitted"
+        )
+    for a in d.admit:
+        assert a.borrowed == (a.job_id in d.borrowed), f"{a.job_id} admitted, labelled otherwise"
+    for r in after:
+        limits = snap.quotas.get(r.team or "", {})
+        assert r.job_id not in d.borrowed or any(r.demand.total.get(k) > 0 for k in limits), (
+            f"{r.job_id} borrows, but uses nothing its team's quota limits"
+        )
 
     usage = {}  # what each team runs, is admitted and holds room for, after this decision
     for r in after:
@@ -230,7 +302,6 @@ def check(snap: ClusterSnapshot, d: Decision, mode: WithinTeam, hold: float) -> 
             )
 
     # Preemption: allowed victims only, and each one needed (its nodes or its team's quota).
-    lenders = _borrowed(list(running.values()), snap.quotas)
     victims: dict[str, list[RunningJob]] = {}
     for p in d.preempt:
         v, job = running[p.victim], queued[p.for_job]
@@ -239,14 +310,27 @@ def check(snap: ClusterSnapshot, d: Decision, mode: WithinTeam, hold: float) -> 
             assert mode is not WithinTeam.NEVER, f"{v.job_id} preempted by its own team"
             assert v.priority < job.priority, f"{v.job_id} preempted by a job of no higher priority"
             assert mode is WithinTeam.ALWAYS or v.resumable, f"{v.job_id} cannot resume"
+            ran = snap.now - v.started_at
+            assert ran >= hold - EPS, f"{v.job_id} preempted by its own team after {ran:g} s"
         else:
             assert v.job_id in lenders, f"{v.job_id} preempted but not borrowing"
         victims.setdefault(p.for_job, []).append(v)
-    # Replayed in the order the jobs were served: what was free when each job made room.
-    room = {n.node_id: n.free for n in snap.nodes}
     used: dict[str | None, Resources] = {}
     for r in snap.running:
         used[r.team] = used.get(r.team, Resources()) + r.demand.total
+    # Another team's job goes only while its team, less the victims before it, is over its quota
+    # in a resource it uses: its release gives the owners back some of their quota.
+    for job_id, gone in victims.items():
+        for i, v in enumerate(gone):
+            if v.team == queued[job_id].team:
+                continue
+            left = used[v.team] - total(g.demand.total for g in gone[:i] if g.team == v.team)
+            assert any(v.demand.total.get(k) > 0 and left.get(k) > limit + EPS
+                       for k, limit in snap.quotas[v.team or ""].items()), (
+                f"{v.job_id} preempted for {job_id}: its team is within its quota without it"
+            )  # fmt: skip
+    # Replayed in the order the jobs were served: what was free when each job made room.
+    room = {n.node_id: n.free for n in snap.nodes}
     for job_id in d.served:
         job = queued[job_id]
         for node in d.reserved.get(job_id, ()):
@@ -260,13 +344,18 @@ def check(snap: ClusterSnapshot, d: Decision, mode: WithinTeam, hold: float) -> 
         if spot:
             used[job.team] = used.get(job.team, Resources()) + job.demand.total
 
-    # After the hold: nothing is placed on the nodes kept for a job; each such job either
+    # After the hold: nothing is placed on the nodes kept for a job (but by a job that waited
+    # longer, or one whose preemptions freed room for it, served before); each such job either
     # holds room, keeps nodes, or every node that could hold it is kept or held for another.
+    claims = {r.leaving_for for r in snap.running if r.leaving} | {
+        j.preempted_by for j in snap.queued
+    }
     for a in d.admit:
         job = queued[a.job_id]
         for holder, nodes in d.reserved.items():
             older = (job.pushed_at, job.job_id) < (queued[holder].pushed_at, holder)
             first = snap.now - job.pushed_at >= hold and older
+            first |= a.job_id in claims and d.served.index(a.job_id) < d.served.index(holder)
             assert first or not set(nodes).intersection(a.placed_on), (
                 f"{a.job_id} took nodes kept for {holder}, which waited longer"
             )
@@ -305,13 +394,15 @@ def _quota_ok(
     job: QueuedJob, used: Mapping[str | None, Resources], gone: Iterable[RunningJob],
     quotas: Mapping[str, Mapping[str, float]],
 ) -> bool:  # fmt: skip
-    """`job` within its team's quota beside `used`, less what `gone` of its team hold."""
+    """`job` within its team's quota beside `used`, less what `gone` of its team hold, in each
+    resource it uses (the team may be over another: not this job's doing)."""
     quota = quotas.get(job.team or "")
     wanted = used.get(job.team, Resources()) + job.demand.total
     for v in gone:
         if v.team == job.team:
             wanted = wanted - v.demand.total
-    return not quota or _within_limits(wanted, quota)
+    uses = {k: v for k, v in (quota or {}).items() if job.demand.total.get(k) > 0}
+    return _within_limits(wanted, uses)
 
 
 # -- arithmetic, written again here so the checks do not lean on the policy's -------------------
@@ -374,14 +465,15 @@ def _as_running(job: QueuedJob, nodes: tuple[str, ...], now: float) -> RunningJo
 
 
 def _borrowed(jobs: list[RunningJob], quotas: Mapping[str, Mapping[str, float]]) -> set[str]:
+    """Rule 1: a team's jobs in the order they started; a job borrows where its team's use of a
+    resource it takes, counting it and the jobs before it, passes the quota."""
     out: set[str] = set()
     for team, quota in quotas.items():
-        mine = sorted((j for j in jobs if j.team == team),
-                      key=lambda j: (-j.priority, j.started_at, j.job_id))  # fmt: skip
         used = Resources()
-        for i, job in enumerate(mine):
+        for job in sorted((j for j in jobs if j.team == team),
+                          key=lambda j: (j.started_at, j.job_id)):  # fmt: skip
             used = used + job.demand.total
-            if not all(used.get(k) <= v + EPS for k, v in quota.items()):
-                out.update(j.job_id for j in mine[i:])
-                break
+            if any(job.demand.total.get(k) > 0 and used.get(k) > v + EPS
+                   for k, v in quota.items()):  # fmt: skip
+                out.add(job.job_id)
     return out

@@ -129,13 +129,14 @@ def test_a_higher_priority_job_preempts_lower_ones_of_its_own_team_only_where_al
            running("other", ("n2",), team="speech"),
            running("other2", ("n3",), team="speech")]  # fmt: skip
     urgent = queued("urgent", priority=5, nodes=2, at=9)
-    decision = decide([urgent], run, within_team=WithinTeam.ALWAYS)
+    # They have run 600 s: before the hold no job is preempted by its own team (issue 58).
+    decision = decide([urgent], run, now=600, within_team=WithinTeam.ALWAYS)
     assert sorted(p.victim for p in decision.preempt) == ["low", "mid"]
-    assert decide([queued("same", priority=1, at=9)], run,
+    assert decide([queued("same", priority=1, at=9)], run, now=600,
                   within_team=WithinTeam.ALWAYS).preempt == []  # fmt: skip
     # resumable: a job without checkpointing would lose its work, so it is not preempted.
     run[0] = running("low", ("n0",), priority=1, resumable=False)
-    decision = decide([urgent], run, within_team=WithinTeam.RESUMABLE)
+    decision = decide([urgent], run, now=600, within_team=WithinTeam.RESUMABLE)
     assert decision.preempt == []
     assert decision.spared == {
         "low": "not preempted for urgent: they have no checkpointing and would lose their "

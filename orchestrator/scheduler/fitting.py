@@ -5,9 +5,9 @@ Pure arithmetic on `{node id: Resources}` maps, shared by the policy's rules.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from orchestrator.scheduler.model import Demand, Node, RunningJob
+from orchestrator.scheduler.model import Demand, Node, QueuedJob, RunningJob
 from orchestrator.scheduler.resources import GPU_PREFIX, Resources
 
 
@@ -56,6 +56,22 @@ def shortfall(need: Resources, room: Resources) -> float:
         if amount > 0:
             worst = max(worst, (amount - have.get(key, 0.0)) / amount)
     return worst
+
+
+def impossible(
+    jobs: Sequence[QueuedJob], nodes: Sequence[Node], useful: Callable[[Demand], set[str]]
+) -> dict[str, str]:
+    """Rule 6: the jobs (id -> why) that fit no node even when the cluster is empty, asked once
+    per demand. `useful(demand)`: the nodes whose capacity holds one of its bundles."""
+    never: dict[str, str | None] = {}
+    out: dict[str, str] = {}
+    for job in jobs:
+        if job.demand.key not in never:
+            empty = len(useful(job.demand)) >= needs(job.demand)[1]
+            never[job.demand.key] = None if empty else never_fits(job.demand, nodes)
+        if (why := never[job.demand.key]) is not None:
+            out[job.job_id] = why
+    return out
 
 
 def never_fits(demand: Demand, nodes: Sequence[Node]) -> str:

@@ -4,23 +4,28 @@ Pure: the queue service hands `SchedulingPolicy.decide` a snapshot (queued jobs,
 where their bundles are, each node's capacity and free resources, the teams' quotas) and carries
 out the `Decision`. The rules (docs/architecture.md#the-job-queue says them for users):
 
-1. Quota. A team's running jobs, highest priority first and then in the order they started, are
-   its own while together they fit its quota; the rest *borrow*. Recomputed every decision, so a
-   job becomes its team's own when the jobs before it end or the quota grows. A queued job is
-   *within* its quota when it fits the quota beside everything its team runs; a team without a
-   quota is always within.
-2. Order. First the jobs that waited `hold_after_s` within their quota (oldest push first); then
-   those whose preemption freed room for them; then every other job within its quota, then the
-   jobs beyond it. In the last two, within a team higher `priority` goes first, then earlier
-   push; across teams the next job is the head of the team furthest below its share (dominant
-   share: the largest fraction of its quota, or of the cluster where it has none, its running
-   and already-ordered jobs use).
+1. Quota. A team's running jobs, in the order they started: a job *borrows* where its team's use
+   of a resource it takes that the quota limits, counting it and the jobs before it, passes the
+   quota; the others are its own. Recomputed every decision: a job becomes its team's own when
+   jobs before it end or the quota grows, and admitting a job never makes another borrow. A
+   queued job is *within* its quota when it fits the quota, in each resource it uses, beside
+   everything its team runs and holds room for; a team without a quota is always within.
+2. Order. First the jobs that waited `hold_after_s` within their quota (oldest push first; the
+   job one gave way to, if of these groups, is served just before it); then those
+   whose preemption freed room for them; then every other job within its quota, then the jobs
+   beyond it (first those that preempting teammates would bring within it). In the last two,
+   within a team higher `priority` goes first, then earlier push; across teams the next job is
+   the head of the team furthest below its share (dominant share: the largest fraction of its
+   quota, or of the cluster where it has none, its running and already-ordered jobs use).
 3. Admission. A job starts when its bundles fit the free resources (one node per bundle, or all
    on one when colocated). A job beyond its quota borrows only what is left once every job
-   within its quota was considered: capacity none of them can use now.
+   within its quota was considered: capacity none of them can use now; and not while a job of
+   its team holds room (rule 4), whose quota it would take once that room frees.
 4. Preemption. A job within its quota that does not fit may preempt borrowed jobs of teams still
    over their quota; lower-priority jobs of its own team only where `within_team` allows it
-   (never by default, as Kueue; `resumable`: jobs that resume from a checkpoint; `always`).
+   (never by default, as Kueue; `resumable`: jobs that resume from a checkpoint; `always`), and
+   once they have run `hold_after_s`: else a busy team could stop a job the hold started (rule
+   5) each time before its first checkpoint.
    The victims are a minimal set: each one is needed for the job to fit (its nodes, or its
    team's quota). What they free is held for that job, and a preempted job does not start again
    before the job it gave way to has started: no livelock.
@@ -36,8 +41,8 @@ from collections.abc import Mapping, Sequence
 from heapq import nsmallest
 
 from orchestrator.scheduler.fitting import (
+    impossible,
     needs,
-    never_fits,
     node_kinds,
     place,
     released,
@@ -56,16 +61,22 @@ from orchestrator.scheduler.model import (
     Waiting,
     WithinTeam,
 )
-from orchestrator.scheduler.preemption import minimal_victims, victim_order, why_preempted
-from orchestrator.scheduler.reasons import (
-    WITHIN_TEAM_SETTING,
-    needs_text,
-    quota_text,
-    room_text,
-    spared_text,
+from orchestrator.scheduler.preemption import (
+    minimal_victims,
+    victim_order,
+    why_preempted,
+    why_spared,
+    would_make_room,
 )
+from orchestrator.scheduler.reasons import WITHIN_TEAM_SETTING, needs_text, quota_text, room_text
 from orchestrator.scheduler.resources import Resources, total
-from orchestrator.scheduler.shares import borrowed_jobs, order, usage_by_team
+from orchestrator.scheduler.shares import (
+    borrowed_jobs,
+    fits_quota,
+    order,
+    still_over,
+    usage_by_team,
+)
 
 __all__ = ["DEFAULT_HOLD_AFTER_S", "WITHIN_TEAM_SETTING", "Admit", "ClusterSnapshot", "Decision",
            "Demand", "Node", "Preempt", "QueuedJob", "RunningJob", "SchedulingPolicy", "Waiting",
@@ -104,6 +115,7 @@ class _Cycle:
         self.decision = Decision()
         self.waiting: list[tuple[str, str]] = []  # (job, why), in the order they are served
         self.started: set[str] = set()
+        self.ahead_done: set[str] = set()  # served in rule 2's first two groups
         self.pending: set[str] = set()  # queued and able to start some day
         self.changes = 0  # admissions, holds and kept nodes: what makes remembered reasons stale
         # Jobs alike (same demand, team, priority, standing) fare alike until something is
@@ -116,11 +128,13 @@ class _Cycle:
         # preemption changes who runs.
         self.candidates: dict[tuple, tuple[list[RunningJob], list[RunningJob], list[RunningJob]]]
         self.candidates = {}
+        self.why_spared: dict[str, str] = {}  # running job -> why its own team may not preempt it
         # By demand: what one node must hold, the nodes that hold it now, those that could.
         self.nodes_for: dict[str, tuple[Resources, set[str], set[str]]] = {}
         # By demand, by node: how far the node's free resources are from one bundle.
         self.gaps: dict[str, dict[str, float]] = {}
         self.held_nodes: set[str] = set()  # nodes of decision.held
+        self.holding: dict[str | None, str] = {}  # team -> a job of it that holds room
         # Nodes alike (the same capacity; the same free resources) hold a bundle alike: each
         # question is asked once per kind of node, not once per node.
         self.kinds = node_kinds(self.capacity)
@@ -128,31 +142,42 @@ class _Cycle:
 
     def run(self) -> Decision:
         snap, hold = self.snap, self.policy.hold_after_s
-        jobs = self._possible(snap.queued)
+        if not snap.autoscaling:  # rule 6, asked before anything is kept: every node counts
+            self.decision.impossible = impossible(snap.queued, snap.nodes, self._useful)
+        jobs = [j for j in snap.queued if j.job_id not in self.decision.impossible]
         self.pending = {j.job_id for j in jobs}
         claims = set(self.leaving_for) | {j.preempted_by for j in jobs if j.preempted_by}
-        held = [j for j in jobs if snap.now - j.pushed_at >= hold and self._within(j)
-                and not self._gave_way(j)]  # fmt: skip
-        first = {j.job_id for j in held}
-        claimants = [j for j in jobs if j.job_id in claims and j.job_id not in first
-                     and self._within(j, self.leaving_for.get(j.job_id, []))]  # fmt: skip
-        first.update(j.job_id for j in claimants)
-        rest = [j for j in jobs if j.job_id not in first]
-        for job in sorted(held, key=lambda j: (j.pushed_at, j.job_id)):
-            if self._within(job):  # a job of its team held before may have used the quota
-                self._serve(job, True, held=True)
-            else:
-                rest.append(job)
-        for job in sorted(claimants, key=lambda j: (j.pushed_at, j.job_id)):
-            self._serve(job, self._within(job))
+        by_push = sorted(jobs, key=lambda j: (j.pushed_at, j.job_id))
+        ahead = {j.job_id: j for j in by_push if snap.now - j.pushed_at >= hold and self._within(j)}
+        held = set(ahead)  # then those claiming room their preemptions freed
+        ahead.update((j.job_id, j) for j in by_push if j.job_id in claims and j.job_id not in held
+                     and self._within(j, self.leaving_for.get(j.job_id, [])))  # fmt: skip
+        # One that gave way to a job served here goes right after it (as it will next time);
+        # one that gave way to another job waits with the rest.
+        while out := {i for i in held if self._gave_way(ahead[i])
+                      and ahead[i].preempted_by not in ahead}:  # fmt: skip
+            held -= out
+            ahead = {i: j for i, j in ahead.items() if i not in out}
+        rest = [j for j in jobs if j.job_id not in ahead]
+        for job in list(ahead.values()):
+            if (by := ahead.get(job.preempted_by or "")) is not None and self._gave_way(job):
+                self._serve_ahead(by, by.job_id in held, rest)
+            self._serve_ahead(job, job.job_id in held, rest)
         beyond = []
         for job in order(rest, self.usage, snap.quotas, total(self.capacity.values())):
             if self._within(job):
                 self._serve(job, True)
             else:
                 beyond.append(job)  # borrows only what no job within its quota can use
-        for job in beyond:
-            self._serve(job, False, may_borrow=True)
+        # First those that preempting teammates would bring within: no borrower takes that room.
+        can: dict[tuple, bool] = {}  # by team, priority and demand: jobs alike fare alike
+        for j in beyond:
+            if (key := (j.team, j.priority, j.demand.key)) not in can:
+                can[key] = self._within(j, self._candidates(j)[0])
+        if any(can.values()):
+            beyond.sort(key=lambda j: not can[j.team, j.priority, j.demand.key])
+        for job in beyond:  # not while its team holds quota: a borrower ranks first once it frees
+            self._serve(job, False, may_borrow=job.team not in self.holding)
         self.decision.waiting = [
             Waiting(job_id, position, why)
             for position, (job_id, why) in enumerate(self.waiting, start=1)
@@ -167,6 +192,18 @@ class _Cycle:
         return self.decision
 
     # -- one job ---------------------------------------------------------------------------------
+
+    def _serve_ahead(self, job: QueuedJob, held: bool, rest: list[QueuedJob]) -> None:
+        """Rule 2's first groups, each job once: past the hold (still within, else `rest`)."""
+        if job.job_id in self.ahead_done:
+            return
+        self.ahead_done.add(job.job_id)
+        if not held:
+            self._serve(job, self._within(job))
+        elif self._within(job):  # a job of its team held before may have used the quota
+            self._serve(job, True, held=True)
+        else:
+            rest.append(job)
 
     def _serve(
         self, job: QueuedJob, within: bool, held: bool = False, may_borrow: bool = False
@@ -265,59 +302,22 @@ class _Cycle:
         by = job.preempted_by
         return by is not None and by in self.pending and by not in self.started
 
-    def _possible(self, jobs: Sequence[QueuedJob]) -> list[QueuedJob]:
-        """`jobs` less those that fit no node even when the cluster is empty (rule 6), which
-        are noted in the decision. Asked before anything is kept: every node counts."""
-        if self.snap.autoscaling:
-            return list(jobs)
-        never: dict[str, str | None] = {}
-        for job in jobs:
-            if job.demand.key not in never:
-                empty = len(self._useful(job.demand)) >= needs(job.demand)[1]
-                never[job.demand.key] = None if empty else never_fits(job.demand, self.snap.nodes)
-        for job in jobs:
-            if (why := never[job.demand.key]) is not None:
-                self.decision.impossible[job.job_id] = why
-        return [j for j in jobs if never[j.demand.key] is None]
-
     # -- quotas ----------------------------------------------------------------------------------
 
     def _within(self, job: QueuedJob, victims: Sequence[RunningJob] = ()) -> bool:
-        """Whether `job` fits its team's quota beside what the team runs, less `victims`."""
+        """Whether `job` fits its team's quota beside what the team runs (and holds room for),
+        less `victims`, in each resource it uses: one admitted within it is its team's own."""
         quota = self.snap.quotas.get(job.team or "")
         if not quota:
             return True
+        used = self.usage.get(job.team, _NOTHING)
         if victims:
-            return self._fits_quota(job, quota, victims)
+            gone = [v.demand.total for v in victims if v.team == job.team]
+            return fits_quota(quota, used, job.demand.total, gone)
         key = (job.team, job.demand.key)
-        within = self.within.get(key)
-        if within is None:
-            within = self.within[key] = self._fits_quota(job, quota, ())
+        if (within := self.within.get(key)) is None:
+            within = self.within[key] = fits_quota(quota, used, job.demand.total)
         return within
-
-    def _fits_quota(
-        self, job: QueuedJob, quota: Mapping[str, float], victims: Sequence[RunningJob]
-    ) -> bool:
-        used = self.usage.get(job.team, _NOTHING).amounts
-        want = job.demand.total.amounts
-        gone = [v.demand.total.amounts for v in victims if v.team == job.team]
-        for key, limit in quota.items():
-            amount = used.get(key, 0.0) + want.get(key, 0.0)
-            if gone:
-                amount -= sum(g.get(key, 0.0) for g in gone)
-            if amount > limit + 1e-9:
-                return False
-        return True
-
-    def _over_quota(self, team: str | None, without: Sequence[RunningJob]) -> bool:
-        """Whether `team` uses more than its quota even without `without`: it still borrows."""
-        quota = self.snap.quotas.get(team or "")
-        if not quota:
-            return False
-        used = self.usage.get(team, _NOTHING)
-        gone = [v.demand.total for v in without if v.team == team]
-        return any(used.get(k) - sum(g.get(k) for g in gone) > limit + 1e-9
-                   for k, limit in quota.items())  # fmt: skip
 
     # -- making room -----------------------------------------------------------------------------
 
@@ -354,30 +354,31 @@ class _Cycle:
         mine = self.leaving_for.get(job.job_id, [])
         base = released(self.free, mine) if mine else self.free
         victims = self._victims(job, base, everyone, mine)
-        spared = [v.job_id for v in victims or () if v in protected]
-        if not spared:
+        whys = {v.job_id: self.why_spared[v.job_id] for v in victims or () if v in protected}
+        if not whys:
             return ""
-        why = spared_text(self.policy.within_team)
-        for job_id in spared:
+        for job_id, why in whys.items():
             self.decision.spared.setdefault(job_id, f"not preempted for {job.job_id}: {why}")
-        return f"; preempting {', '.join(spared)} of its own team would make room, but {why}"
+        return would_make_room(whys)
 
     def _candidates(
         self, job: QueuedJob
     ) -> tuple[list[RunningJob], list[RunningJob], list[RunningJob]]:
         """Whom `job` may preempt, in the order they go (lowest priority, then the most recently
-        started), the lower-priority jobs of its team that `within_team` protects, and both."""
+        started), the lower-priority jobs of its team that `within_team`, or having run less
+        than `hold_after_s`, protects, and both."""
         key = (job.team, job.priority)
         if key not in self.candidates:
-            mode = self.policy.within_team
+            mode, hold, now = self.policy.within_team, self.policy.hold_after_s, self.snap.now
             allowed, protected = [], []
             for r in self.running:
                 if r.team != job.team:
                     if r.job_id in self.lenders:
                         allowed.append(r)
                 elif r.priority < job.priority:
-                    ok = mode is WithinTeam.ALWAYS or (mode is WithinTeam.RESUMABLE and r.resumable)
-                    (allowed if ok else protected).append(r)
+                    if (why := why_spared(r, mode, now - r.started_at, hold)) is not None:
+                        self.why_spared[r.job_id] = why
+                    (allowed if why is None else protected).append(r)
             self.candidates[key] = (
                 victim_order(allowed),
                 victim_order(protected),
@@ -394,7 +395,7 @@ class _Cycle:
         return minimal_victims(
             job, base, candidates, leaving, useful, fitting,
             within=lambda victims: self._within(job, victims),
-            over_quota=self._over_quota,
+            over_quota=lambda c, chosen: still_over(self.snap.quotas, self.usage, c, chosen),
         )  # fmt: skip
 
     def _hold(self, job: QueuedJob, spot: tuple[str, ...]) -> None:
@@ -403,6 +404,7 @@ class _Cycle:
         take(self.free, job.demand, spot)
         self.decision.held[job.job_id] = spot
         self.held_nodes.update(spot)
+        self.holding.setdefault(job.team, job.job_id)
         self._count(job)
         self._changed(spot)
 
@@ -436,6 +438,9 @@ class _Cycle:
         room = str(self.memo[key])
         if within:
             return room
-        quota = self.snap.quotas.get(job.team or "", {})
-        used = self.usage.get(job.team, Resources())
-        return quota_text(job.team, quota, used, job.demand.total, room)
+        if (holder := self.holding.get(job.team)) is not None:
+            return (f"team {job.team}'s quota is held for {holder}, whose preempted jobs are "
+                    f"leaving: none of its jobs borrows before it starts: {room}")  # fmt: skip
+        want = job.demand.total
+        quota = {k: v for k, v in self.snap.quotas.get(job.team or "", {}).items() if want.get(k)}
+        return quota_text(job.team, quota, self.usage.get(job.team, _NOTHING), want, room)

@@ -74,24 +74,53 @@ def dominant_share(used: Resources, quota: Mapping[str, float] | None, cluster: 
 def borrowed_jobs(
     running: Sequence[RunningJob], quotas: Mapping[str, Mapping[str, float]]
 ) -> set[str]:
-    """Rule 1: per team with a quota, its jobs by priority (highest first), then the order they
-    started, are its own while they fit the quota together; from the first that does not, they
-    borrow."""
-    by_team: dict[str | None, list[RunningJob]] = {}
-    for r in sorted(running, key=lambda r: (-r.priority, r.started_at, r.job_id)):
-        by_team.setdefault(r.team, []).append(r)
+    """Rule 1: per team with a quota, its jobs in the order they started; a job borrows when a
+    resource it uses that the quota limits passes the limit, counting it and every job of its
+    team that started before it. So a job admitted later never makes an earlier one borrow (as
+    ranking by priority did), a job that uses nothing the quota limits never borrows, and a job
+    becomes its team's own as the jobs before it end or the quota grows."""
+    used: dict[str | None, dict[str, float]] = {}
     out: set[str] = set()
-    for team, jobs in by_team.items():
-        quota = quotas.get(team or "")
+    for r in sorted(running, key=lambda r: (r.started_at, r.job_id)):
+        quota = quotas.get(r.team or "")
         if not quota:
             continue
-        used = Resources()
-        for i, r in enumerate(jobs):
-            used = used + r.demand.total
-            if any(used.get(k) > limit + 1e-9 for k, limit in quota.items()):
-                out.update(j.job_id for j in jobs[i:])
-                break
+        mine, want = used.setdefault(r.team, {}), r.demand.total.amounts
+        for key, limit in quota.items():
+            if (amount := want.get(key, 0.0)) > 0:
+                mine[key] = mine.get(key, 0.0) + amount
+                if mine[key] > limit + 1e-9:
+                    out.add(r.job_id)
     return out
+
+
+def fits_quota(
+    quota: Mapping[str, float], used: Resources, want: Resources, gone: Sequence[Resources] = ()
+) -> bool:
+    """Whether `want` fits `quota` beside `used` less `gone`, in each resource it uses that the
+    quota limits: its team may be over another one, which is not this job's doing (rule 1)."""
+    have, need = used.amounts, want.amounts  # plain dicts: asked for each of 1,000 jobs
+    for key, limit in quota.items():
+        if (amount := need.get(key, 0.0)) > 0:
+            amount += have.get(key, 0.0)
+            if gone:
+                amount -= sum(g.amounts.get(key, 0.0) for g in gone)
+            if amount > limit + 1e-9:
+                return False
+    return True
+
+
+def still_over(
+    quotas: Mapping[str, Mapping[str, float]], usage: Mapping[str | None, Resources],
+    lender: RunningJob, without: Sequence[RunningJob],
+) -> bool:  # fmt: skip
+    """Whether `lender`'s team uses more than its quota of a resource `lender` uses, even
+    without `without`: its release still gives the owners back some of their quota (rule 4)."""
+    quota, uses = quotas.get(lender.team or "") or {}, lender.demand.total
+    used = usage.get(lender.team, _NOTHING)
+    gone = [v.demand.total for v in without if v.team == lender.team]
+    return any(uses.get(k) > 0 and used.get(k) - sum(g.get(k) for g in gone) > limit + 1e-9
+               for k, limit in quota.items())  # fmt: skip
 
 
 def usage_by_team(running: Sequence[RunningJob]) -> dict[str | None, Resources]:
