@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from orchestrator.agents.messages import StoredCheckpoint, UploaderFlush, UploaderPoll
 from orchestrator.node.checkpoint_rules import EntryKind, read_earlier_checkpoints, top_level
 from orchestrator.node.checkpoint_tracking import (
@@ -72,6 +74,8 @@ class CheckpointUploader:
         self.volume_bytes = volume_size_gib * 2**30 if volume_size_gib else None
         self.tracker = CheckpointTracker(rank, self.local_dir, self.settings, self._event)
         self.tracker.earlier = dict(earlier or {})
+        if _restarted():  # its rank's commands may not run now: no quiet spell till an attempt
+            self.tracker.quiet_since = None  # begins (begin_attempt)
         self._scan_error: str | None = None
         self.over_volume: str | None = None
         self._warned = False
@@ -104,7 +108,7 @@ class CheckpointUploader:
             since = 0
         return UploaderPoll(
             self.events[since:], len(self.events), self.over_volume, self._scans_done,
-            self._last_stored,
+            self._last_stored, self.tracker.writes(),
         )  # fmt: skip
 
     def upload_stats(self) -> UploadStats:
@@ -151,46 +155,52 @@ class CheckpointUploader:
                 self._scan(final=True, deadline=deadline)
         finally:
             retry.give_up_at = None
-        return UploaderFlush(self.tracker.entries(), self.events)
+        return UploaderFlush(self.tracker.entries(), self.events, self.tracker.writes())
 
     def begin_attempt(self, number: int, resume: Manifest | None, newer: list[str]) -> None:
         """Before attempt `number` starts, put this rank at the job's resume point: set aside
-        what the last attempt left unfinished and the `newer` checkpoints other ranks lack, so
-        a trainer resuming from its newest checkpoint finds the one every rank has; and restore
-        `resume` (a manifest: this rank's copy, or the lowest writer's) if it is not here."""
+        what the last attempt left unfinished, the `newer` checkpoints (those other ranks lack,
+        or all when the job starts again) and copies restored for an earlier attempt, so a
+        trainer resuming from its newest checkpoint finds the one every rank has; and restore
+        `resume` (this rank's copy, or a shared one: controller/resume_point.py) if it is not
+        here. What the rank writes from now on is this attempt's (`tracker.writes`)."""
         if not self._started.wait(60):
             raise TimeoutError(f"rank {self.rank}'s checkpoint uploader is not watching")
         with self._lock:
             self.tracker.writer_end = None
             self._set_aside(number, set(newer), resume.name if resume else None)
-            if resume is None:
-                return
-            chosen = resume
-            name, whose = chosen.name, f"rank-{chosen.node_rank}/{chosen.name}"
-            if self.tracker.exists(name):
-                return
-            self.store.download(chosen, self.local_dir / name)
-            fingerprint = snapshot(self.local_dir / name).fingerprint
-            if chosen.node_rank == self.rank:
-                t = self.tracker.tracked.setdefault(name, Tracked())
-                t.stored, t.looked_up, t.restored, t.gone = chosen, True, fingerprint, None
-                t.seen, t.ready = None, None
-            else:
-                self.tracker.restored[name] = (fingerprint, whose)
-            self._event(
-                f"restored {whose} from the storage root into $BT_CHECKPOINT_DIR for attempt "
-                f"{number}: {len(chosen.files)} files, {chosen.size_bytes / 1e6:.1f} MB"
-            )
+            if resume is not None and not self.tracker.exists(resume.name):
+                self._restore(number, resume)
+            self.tracker.new_watch()
+
+    def _restore(self, number: int, chosen: Manifest) -> None:
+        name, whose = chosen.name, f"rank-{chosen.node_rank}/{chosen.name}"
+        self.store.download(chosen, self.local_dir / name)
+        fingerprint = snapshot(self.local_dir / name).fingerprint
+        if chosen.node_rank == self.rank:
+            t = self.tracker.tracked.setdefault(name, Tracked())
+            t.stored, t.looked_up, t.restored, t.gone = chosen, True, fingerprint, None
+            t.seen, t.ready = None, None
+        else:
+            self.tracker.restored[name] = (fingerprint, whose)
+        self._event(
+            f"restored {whose} from the storage root into $BT_CHECKPOINT_DIR for attempt "
+            f"{number}: {len(chosen.files)} files, {chosen.size_bytes / 1e6:.1f} MB"
+        )
 
     def _set_aside(self, number: int, newer: set[str], resume: str | None) -> None:
         """Move out of the directory, to `set-aside/attempt-<number>/` in the rank's (kept on the
         node; their stored copies stay): checkpoints not stored complete (an interrupted
-        save) and those newer than the job's resume point."""
+        save), those newer than the job's resume point, and other ranks' copies restored for
+        an earlier attempt (the resume point may have moved back)."""
+        aside: list[tuple[str, str, Tracked | None]] = []
         for name, t in self.tracker.tracked.items():
             if not self.tracker.exists(name) or name == resume:
                 continue
             if name in newer:
                 why = f"it is newer than {resume}, the last checkpoint every rank stored"
+                if resume is None:
+                    why = "the job starts again: no checkpoint is one every rank can resume from"
             elif not (t.stored.complete if t.stored is not None else t.ready is not None):
                 if t.seen is not None and not t.seen.files:
                     continue  # an empty directory made first: the trainer fills it later
@@ -198,12 +208,20 @@ class CheckpointUploader:
                 why = f"it was not complete when the last attempt ended ({stored})"
             else:
                 continue
+            aside.append((name, why, t))
+        for name, (_, whose) in self.tracker.restored.items():
+            if name != resume and self.tracker.exists(name):
+                aside.append((name, f"a copy of {whose} restored for an earlier attempt", None))
+        for name, why, tracked in aside:
             place = self.dirs.set_aside(number) / name
             place.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(self.local_dir / name, place)
             self._event(f"{name} moved to {place}: {why}; attempt {number} resumes from "
                         f"{resume or 'the start'}")  # fmt: skip
-            t.gone = f"set aside before attempt {number}: {why}"
+            if tracked is None:
+                del self.tracker.restored[name]
+            else:
+                tracked.gone = f"set aside before attempt {number}: {why}"
 
     # --- the watch loop ----------------------------------------------------------------------
 
@@ -233,8 +251,10 @@ class CheckpointUploader:
                 self._check_volume()
             renamed = self._renames.renamed() if self._renames else set()
             appeared = self._renames.appeared() if self._renames else set()
+            listed_at = time.time()
             entries = top_level(self.local_dir, self.settings.temporary_patterns)
             self.tracker.notice(entries, appeared - set(entries))
+            self.tracker.notice_writing(entries, appeared, listed_at)
             if self.tracker.writer_end is not None:
                 self._distrust_late_settles()
             for name in sorted(n for n, k in entries.items() if k == EntryKind.CHECKPOINT):
@@ -399,3 +419,11 @@ class CheckpointUploader:
         self.events.append(
             f"[rank {self.rank} {time.strftime('%H:%M:%S')}] [checkpoints] {message}"
         )
+
+
+def _restarted() -> bool:
+    """Whether Ray restarted this uploader (its node was lost, or it was killed): its rank's
+    commands may or may not run now."""
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return False
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)

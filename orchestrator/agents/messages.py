@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orchestrator.node.rank_writes import RankWrites
 from orchestrator.storage.checkpoints import Manifest
 from orchestrator.storage.records import (
     CheckpointEntry,
@@ -187,6 +188,7 @@ class UploaderPoll:
     over_volume: str | None = None  # the checkpoint directory is over volume_size_gib: why
     scans: int = 0  # scans of the directory completed: what "nothing happened yet" waits on
     last_stored: StoredCheckpoint | None = None  # the newest checkpoint it stored complete
+    writes: RankWrites | None = None  # what it has seen the rank write (for the resume point)
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ class UploaderFlush:
 
     entries: list[CheckpointEntry]
     events: list[str]
+    writes: RankWrites | None = None  # what it has seen the rank write, to the commands' end
 
 
 @dataclass(frozen=True)

@@ -297,7 +297,8 @@ class Attempts:
         if uploaders is None:
             self.job.say(f"no checkpointing: attempt {number} starts from the beginning")
             return None
-        uploaders.carry(earlier)
+        if old is not None:
+            uploaders.carry(old)
         return self._restore(uploaders, number)
 
     def _next_plan(self, number: int) -> GroupPlan:

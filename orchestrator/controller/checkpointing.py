@@ -13,7 +13,9 @@ from orchestrator.agents.checkpoint_uploader import CheckpointUploader
 from orchestrator.agents.messages import StoredCheckpoint
 from orchestrator.agents.node_agent import uploader_name
 from orchestrator.agents.services import NAMESPACE, actor_class
+from orchestrator.controller.resume_point import resume_point
 from orchestrator.errors import CheckpointNotFound, JobNotFound, RestoreFailed
+from orchestrator.node.rank_writes import RankWrites
 from orchestrator.spec.checkpoints import (
     _BasetenLatestCheckpoint,
     _BasetenNamedCheckpoint,
@@ -24,6 +26,8 @@ from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import CheckpointEntry, CheckpointSummary, JobRecord
 from orchestrator.storage.root import StorageRoot
 
+# How often the uploaders are asked: also how old a lost rank's last word can be
+# (controller/resume_point.py waits QUIET_MARGIN_S past another rank's checkpoint for it).
 POLL_EVERY_S = 1.0
 
 
@@ -161,6 +165,10 @@ class Uploaders:
         self._earlier: dict[str, CheckpointEntry] = {}
         self.store = CheckpointStore(StorageRoot(record.storage_root))
         self.project, self.job_id = record.project_key, record.job_id
+        # What each rank was seen writing, as its uploader last said (a lost node's too), over
+        # the job's attempts: the resume point's evidence (controller/resume_point.py).
+        self.writes: dict[int, RankWrites] = {}
+        self._said: list[str] = []  # the controller's own lines, out with the next poll
 
     def wait_ready(self, timeout: float = 60) -> None:
         """Until every uploader watches its directory: a checkpoint renamed into place in the
@@ -169,15 +177,17 @@ class Uploaders:
             raise TimeoutError("a checkpoint uploader did not start watching within 60 s")
 
     def poll(self) -> tuple[list[str], str | None]:
-        """New event lines, and the over-volume error of a rank if one is over (at most 1/s)."""
+        """New event lines (the controller's own first), and the over-volume error of a rank
+        if one is over; the uploaders are asked at most every POLL_EVERY_S."""
+        lines, self._said = self._said, []
         if time.monotonic() - self._last_poll < POLL_EVERY_S:
-            return [], None
+            return lines, None
         self._last_poll = time.monotonic()
-        lines: list[str] = []
         over = None
-        for i, actor in enumerate(self.actors):
+        refs = [actor.poll.remote(self._cursors[i]) for i, actor in enumerate(self.actors)]
+        for i, ref in enumerate(refs):
             try:
-                state = ray.get(actor.poll.remote(self._cursors[i]), timeout=2)
+                state = ray.get(ref, timeout=2)
             except Exception:
                 continue  # restarting; the final flush reports it
             lines += state.events
@@ -185,6 +195,7 @@ class Uploaders:
             over = over or state.over_volume
             if state.last_stored is not None:
                 self.last_stored[i] = state.last_stored
+            self._note(i, state.writes)
         return lines, over
 
     def end_attempt(self, endings: list[RankEnding], timeout: float, lost: set[int]) -> list[str]:
@@ -216,27 +227,37 @@ class Uploaders:
                 continue
             lines += self._unread(rank, result.events)
             self._earlier.update({entry.key: entry for entry in result.entries})
+            self._note(rank, result.writes)
         return lines
+
+    def _note(self, rank: int, report: RankWrites | None) -> None:
+        if report is not None:
+            known = self.writes.get(rank)
+            self.writes[rank] = known.merged(report) if known is not None else report
 
     def earlier(self) -> dict[str, CheckpointEntry]:
         """What the ended attempts' checkpoints became: for the uploaders that follow these
         when the job moves to other nodes (after the queue preempted it)."""
         return dict(self._earlier)
 
-    def carry(self, earlier: dict[str, CheckpointEntry]) -> None:
-        self._earlier.update(earlier)
+    def carry(self, earlier: Uploaders) -> None:
+        """Take over what the uploaders of the job's earlier placement knew: what their
+        attempts' checkpoints became, and what each rank was seen writing."""
+        self._earlier.update(earlier.earlier())
+        for rank, report in earlier.writes.items():
+            self._note(rank, report)
 
     def begin_attempt(self, number: int, check_stop: Callable[[], None]) -> str | None:
         """Put every rank at the job's resume point (see `resume_point`) before attempt
         `number`, however long the restores take (a stop still ends it); the checkpoint's name,
         if the job has one. RestoreFailed says which rank could not be put there, and why."""
-        point = resume_point(self.store, self.project, self.job_id, len(self.actors))
+        manifests = self.store.list(self.project, self.job_id)
+        point = resume_point(manifests, self.writes, len(self.actors))
+        self._said.append(
+            _line(f"attempt {number} resumes from {point.name or 'the start'}: {point.why}")
+        )
         refs = [
-            actor.begin_attempt.remote(
-                number,
-                point.copies[rank] if point.name else None,
-                point.newer.get(rank, []),
-            )
+            actor.begin_attempt.remote(number, point.copies.get(rank), point.newer.get(rank, []))
             for rank, actor in enumerate(self.actors)
         ]
         pending = list(refs)
@@ -286,34 +307,9 @@ class Uploaders:
         return lines, CheckpointSummary.of(entries, unreachable)
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where a retried attempt starts: the newest checkpoint every rank that stores
-    checkpoints has stored complete. Each such rank gets its own copy; a rank that never
-    stored one (rank 0 writes for all) gets the lowest writer's. Newer checkpoints of some
-    ranks only are set aside, so that no rank resumes ahead of the others."""
-
-    name: str | None
-    copies: dict[int, Manifest]
-    newer: dict[int, list[str]]  # rank -> its checkpoints newer than `name`
-
-
-def resume_point(store: CheckpointStore, project: str, job_id: str, ranks: int) -> ResumePoint:
-    by_rank: dict[int, dict[str, Manifest]] = {}
-    for m in store.list(project, job_id):
-        if m.complete:
-            by_rank.setdefault(m.node_rank, {})[m.name] = m
-    writers = sorted(by_rank)
-    common = set.intersection(*(set(by_rank[r]) for r in writers)) if writers else set()
-    if not common:
-        return ResumePoint(None, {}, {})
-    name = max(common, key=lambda n: max(by_rank[r][n].created_at for r in writers))
-    copies = {r: by_rank.get(r, by_rank[writers[0]])[name] for r in range(ranks)}
-    newer = {
-        r: sorted(n for n, m in by_rank[r].items() if m.created_at > by_rank[r][name].created_at)
-        for r in writers
-    }
-    return ResumePoint(name, copies, newer)
+def _line(message: str) -> str:
+    """A controller line about the job's checkpoints, as JobRun.say writes its own."""
+    return f"[orchestrator {time.strftime('%H:%M:%S')}] [checkpoints] {message}"
 
 
 @dataclass(frozen=True)

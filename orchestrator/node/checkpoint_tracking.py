@@ -19,6 +19,7 @@ from orchestrator.node.checkpoint_rules import (
     open_for_writing,
     unfinished,
 )
+from orchestrator.node.rank_writes import QuietSpell, RankWrites
 from orchestrator.storage.checkpoints import Manifest, UploadSettings
 from orchestrator.storage.local_checkpoint import Snapshot
 from orchestrator.storage.records import CheckpointEntry
@@ -87,6 +88,12 @@ class CheckpointTracker:
         # it was held open for writing: not whole when the later one started.
         self.open_when_followed: dict[str, int] = {}
         self.open_writers: set[str] | None = None  # per scan, asked only when needed
+        # What this rank was seen writing (`writes`): the first entry of the job's found here,
+        # and the last scan of this watch that found none while the commands ran (no spell
+        # while `quiet_since` is None: a restarted uploader does not know they run).
+        self.wrote: tuple[str, float] | None = None
+        self.quiet_since: float | None = time.time()
+        self.quiet_until: float | None = None
 
     # --- judgments -----------------------------------------------------------------------------
 
@@ -237,6 +244,35 @@ class CheckpointTracker:
         if key not in t.said:
             t.said.add(key)
             self.say(message)
+
+    def notice_writing(self, entries: dict[str, EntryKind], appeared: set[str], at: float) -> None:
+        """Whether the rank has written anything here yet: any entry (a file, a hidden or
+        temporary directory too), or one seen come and go, but an earlier job's checkpoint and
+        another rank's restored copy. While nothing is and the commands run, the quiet spell
+        reaches `at` (when the listing began)."""
+        if self.wrote is not None:
+            return
+        theirs = self.earlier.keys() | self.restored.keys()
+        ours = sorted((entries.keys() | appeared | self.tracked.keys()) - theirs)
+        if ours:
+            self.wrote = (ours[0], at)
+        elif self.writer_end is None and self.quiet_since is not None:
+            self.quiet_until = at
+
+    def new_watch(self) -> None:
+        """An attempt begins: its quiet spell starts now."""
+        self.quiet_since, self.quiet_until = time.time(), None
+
+    def writes(self) -> RankWrites:
+        """What this watch has seen of the rank writing; the spell ends where its commands did."""
+        until = self.quiet_until
+        if until is not None and self.writer_end is not None:
+            until = min(until, self.writer_end[1])
+        spells: tuple[QuietSpell, ...] = ()
+        if until is not None and self.quiet_since is not None and until >= self.quiet_since:
+            spells = (QuietSpell(self.quiet_since, until),)
+        wrote, at = self.wrote or (None, None)
+        return RankWrites(self.rank, wrote, at, spells)
 
     # --- reporting -----------------------------------------------------------------------------
 
