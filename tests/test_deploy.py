@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,12 +23,13 @@ import yaml
 from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, eventually
 from ray.serve.schema import ServeDeploySchema
 from ray.util.state import list_actors, list_placement_groups
-from recipe_serving import greedy, trained_recipe
+from recipe_serving import broken_checkpoints, greedy, trained_recipe
 
 from orchestrator.client.audit import events
 from orchestrator.client.deploy import (
     DeployError,
     deploy_checkpoints,
+    get_deployment,
     list_deployments,
     servable,
     stop_deployment,
@@ -48,6 +51,17 @@ def trained(ray_cluster, tmp_path_factory) -> Iterator[tuple[JobHandle, str, Pat
         yield job, storage_root, local
 
 
+@pytest.fixture(scope="module")
+def broken(trained, tmp_path_factory) -> tuple[JobHandle, Path]:
+    """The job of checkpoints an engine cannot run (recipe_serving.py), in the same storage
+    root, and its head_dim-16 GPT-2 downloaded here."""
+    job = broken_checkpoints(trained[1], tmp_path_factory.mktemp("broken-job"))
+    local = tmp_path_factory.mktemp("broken-checkpoints") / "headdim16"
+    (gpt2,) = [m for m in job.checkpoints() if m.name == "headdim16-checkpoint-1"]
+    job.download_checkpoint(gpt2, local)
+    return job, local
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "orchestrator", *args],
@@ -63,9 +77,11 @@ def test_a_full_checkpoint_answers_as_its_weights_do(trained, ray_cluster):
         model_name="tiny-full",
         runtime=DeployCheckpointsRuntime(environment_variables={"HF_TOKEN": secret}),
     )
+    start = time.monotonic()
     deployment = deploy_checkpoints(
         config, job_id=job.id, checkpoints=["checkpoint-30"], storage_root=storage_root
     )
+    print(f"tiny-full (transformers) ready in {time.monotonic() - start:.1f} s")
     assert deployment.status == "RUNNING" and deployment.model_ids == ["tiny-full"]
     client = openai.OpenAI(base_url=deployment.url, api_key="unused", max_retries=0)
 
@@ -174,6 +190,65 @@ def test_a_secret_the_nodes_do_not_have_fails_the_deployment_naming_it(trained):
     assert [d.status for d in failed] == ["DEPLOY_FAILED"]  # listed, with why, until stopped
     assert "never_set_anywhere" in failed[0].message
     stop_deployment("no-secret")
+
+
+# The checkpoints of recipe_serving.BROKEN_WRITER the transformers engine cannot serve, each with
+# the cause its deployment fails with: without the warm-up, heads-checkpoint-1 would be RUNNING,
+# every request failing.
+CANNOT_SERVE = {
+    "noarch-checkpoint-1": (
+        "could not load the model: ValueError: The checkpoint you are trying to load has "
+        "model type `no-such-arch` but Transformers does not recognize"
+    ),
+    "mismatch-checkpoint-1": (
+        "could not load the model: ValueError: The checkpoint's weights do not match its "
+        "config.json: lm_head.weight is [400, 64] in the checkpoint, [400, 128] by config.json"
+    ),
+    "heads-checkpoint-1": (
+        "failed its warm-up request (one token): RuntimeError: The size of tensor a (2) must "
+        "match the size of tensor b (3)"
+    ),
+}
+
+
+@pytest.mark.parametrize(("checkpoint", "cause"), CANNOT_SERVE.items(), ids=list(CANNOT_SERVE))
+def test_a_model_that_cannot_load_or_run_fails_the_deployment_with_its_root_cause(
+    trained, broken, checkpoint, cause
+):
+    """It fails the deploy, and stays listed, with its root cause in one line (for weights that
+    do not fit their config.json, transformers' own error says only "look at the above report",
+    a report printed to the replica's log)."""
+    job, storage_root = broken[0], trained[1]
+    name = checkpoint.removesuffix("-checkpoint-1")
+    with pytest.raises(DeployError, match=re.escape(cause)) as raised:
+        deploy_checkpoints(job_id=job.id, checkpoints=[checkpoint], model_name=name,
+                           storage_root=storage_root, timeout=120)  # fmt: skip
+    assert "\n" not in str(raised.value)
+    failed = get_deployment(name)
+    assert failed.status == "DEPLOY_FAILED" and cause in failed.cause, failed
+    listed = cli("deployments", "list", "-o", "json")
+    assert listed.returncode == 0, listed.stderr
+    (shown,) = [d for d in json.loads(listed.stdout) if d["name"] == name]
+    assert cause in shown["cause"]
+    table = cli("deployments", "list")
+    assert f"{name} is DEPLOY_FAILED: " in table.stdout, table.stdout
+    assert cause in " ".join(table.stdout.split()), table.stdout
+    stop_deployment(name)
+
+
+def test_a_model_vllms_cpu_build_cannot_run_is_ready_once_it_generated(trained, broken):
+    """The GPT-2 of head_dim 16, which kills vLLM's CPU engine (tests/vllm_lane), is fine for
+    transformers: RUNNING only after its warm-up token, then answering as its weights do."""
+    (job, local), storage_root = broken, trained[1]
+    start = time.monotonic()
+    deployment = deploy_checkpoints(job_id=job.id, checkpoints=["headdim16-checkpoint-1"],
+                                    model_name="hd16", storage_root=storage_root)  # fmt: skip
+    print(f"hd16 (transformers) ready in {time.monotonic() - start:.1f} s")
+    assert deployment.status == "RUNNING" and deployment.cause == ""
+    client = openai.OpenAI(base_url=deployment.url, api_key="unused", max_retries=0)
+    done = client.completions.create(model="hd16", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert done.choices[0].text == greedy(local, PROMPT, 8)
+    stop_deployment("hd16")
 
 
 def test_dry_run_prints_a_serve_config_and_deploys_nothing(trained, tmp_path):

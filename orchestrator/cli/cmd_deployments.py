@@ -21,7 +21,7 @@ Output = Annotated[OutputFormat, typer.Option("-o", "--output")]
 
 @deployments_app.command("list")
 def list_(address: Address = None, output: Output = OutputFormat.text) -> None:
-    """Each deployment: name, checkpoints, URL, status, running replicas."""
+    """Each deployment: name, checkpoints, URL, status, running replicas; why, if it failed."""
     found = list_deployments(address=address)
     if output is OutputFormat.json:
         print_json([d.as_dict() for d in found])
@@ -38,6 +38,9 @@ def list_(address: Address = None, output: Output = OutputFormat.text) -> None:
             "\n".join(d.model_ids),
         )  # fmt: skip
     console.print(table)
+    for d in found:
+        if d.cause:
+            console.print(f"[red]{escape(d.name)}[/red] is {d.status}: {escape(d.cause)}")
 
 
 @deployments_app.command("stop")

@@ -38,6 +38,7 @@ from orchestrator.spec.deploy import DeployCheckpointsConfig
 from orchestrator.storage.checkpoints import Manifest
 
 _OURS = (TRANSFORMERS_IMPORT_PATH, VLLM_IMPORT_PATH)
+_FAILED = ("DEPLOY_FAILED", "UNHEALTHY")  # Serve's application statuses of one that failed
 _POLL_S = 0.5
 
 
@@ -52,6 +53,7 @@ class Deployment:
     checkpoints: list[str]  # <job>/rank-<r>/<name>
     status: str = "NOT_STARTED"  # Serve's application status
     message: str = ""
+    cause: str = ""  # why it failed, in one line (the replica's error), if it did
     replicas: int = 0  # running
     engine_reason: str = ""
     serve_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -60,6 +62,7 @@ class Deployment:
     def refresh(self) -> Deployment:
         found = get_deployment(self.name, connection=self._connection)
         self.status, self.message, self.replicas = found.status, found.message, found.replicas
+        self.cause = found.cause
         return self
 
     def stop(self) -> None:
@@ -67,7 +70,7 @@ class Deployment:
 
     def as_dict(self) -> dict[str, Any]:
         keys = ("name", "url", "model_ids", "engine", "engine_reason", "checkpoints", "status",
-                "message", "replicas")  # fmt: skip
+                "cause", "message", "replicas")  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 
 
@@ -90,8 +93,9 @@ def deploy_checkpoints(
     `checkpoints`: names of the job's checkpoints (`latest` for the newest), default: the one
     the job has, an error naming them if it has several. A config's `checkpoint_details` wins
     over `job_id`/`checkpoints`. `dry_run` returns the deployment, with its `serve_config`,
-    without deploying. `wait`: return once it answers (within `timeout`, default
-    ORCHESTRATOR_DEPLOY_TIMEOUT_S).
+    without deploying. `wait`: return once it is RUNNING, which its replica is only after its
+    engine answered a one-token warm-up request (within `timeout`, default
+    ORCHESTRATOR_DEPLOY_TIMEOUT_S); a DeployError with the engine's root cause if it failed.
     """
     plan = plan_from(config, job_id=job_id, checkpoints=checkpoints, model_name=model_name,
                      engine=engine, storage_root=storage_root)  # fmt: skip
@@ -254,10 +258,11 @@ def list_deployments(
             continue
         model = ServedModel.model_validate(config["args"]["model"])
         replicas = _running_replicas(app)
+        status, message = app.get("status", ""), _message(app)
         found.append(Deployment(
             name=name, url=_url(connection, port, name), model_ids=model.model_ids(),
             engine=model.engine, checkpoints=[c.key for c in model.checkpoints],
-            status=app.get("status", ""), message=_message(app), replicas=replicas,
+            status=status, message=message, cause=_failure(status, message), replicas=replicas,
             serve_config=config, _connection=connection,
         ))  # fmt: skip
     return found
@@ -362,14 +367,14 @@ def _wait_ready(client: Any, deployment: Deployment, timeout: float) -> None:
     while True:
         app = _applications(_details(client)).get(deployment.name) or {}
         deployment.status, deployment.message = app.get("status", ""), _message(app)
-        if deployment.status == "RUNNING":
+        deployment.cause = _failure(deployment.status, deployment.message)
+        if deployment.status == "RUNNING":  # its replicas' engines answered their warm-up
             deployment.replicas = _running_replicas(app)
             return
-        if deployment.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+        if deployment.cause:
             raise DeployError(
-                f"deployment {deployment.name!r} is {deployment.status}: "
-                f"{_cause(deployment.message)} (it stays listed until `orchestrator deployments "
-                f"stop {deployment.name}`)"
+                f"deployment {deployment.name!r} is {deployment.status}: {deployment.cause} "
+                f"(it stays listed until `orchestrator deployments stop {deployment.name}`)"
             )
         if time.monotonic() > deadline:
             said = f"; Serve says: {_cause(deployment.message)}" if deployment.message else ""
@@ -388,6 +393,11 @@ def _message(app: dict[str, Any]) -> str:
         if d.get("message"):
             parts.append(str(d["message"]))
     return "\n".join(p for p in parts if p)
+
+
+def _failure(status: str, message: str) -> str:
+    """Why the application failed, in one line; "" if it did not."""
+    return _cause(message) if status in _FAILED else ""
 
 
 def _cause(message: str) -> str:

@@ -14,12 +14,13 @@ import inspect
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from orchestrator.serving.openai_api import ChatMessage, Generation, SamplingParams
+from orchestrator.serving.warm_up import WARM_UP_PROMPT
 
 _DONE = object()
 
@@ -38,7 +39,10 @@ class TransformersEngine:
             raise ValueError(f"The adapter id `{model_id}` is also the base model's id")
         self._base_id = model_id
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, ignore_mismatched_sizes=True, output_loading_info=True
+        )
+        _check_weights(loading)
         # peft names become module keys, which must not contain "." (ids often do).
         self._adapter_names = {aid: f"adapter_{i}" for i, aid in enumerate(adapters or {})}
         for adapter_id, directory in (adapters or {}).items():
@@ -61,6 +65,15 @@ class TransformersEngine:
 
     def model_ids(self) -> list[str]:
         return [self._base_id, *self._adapter_names]
+
+    def warm_up(self) -> None:
+        """One greedy token of the base model through the token loop every request runs: a model
+        that loads but cannot generate fails here, before the replica is ready, not at a client's
+        first request."""
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        prompt_ids, params = self._check(self._base_id, WARM_UP_PROMPT, greedy)
+        for _ in self._tokens_to_text(self._base_id, prompt_ids, params, threading.Event()):
+            pass
 
     def chat_prompt(self, model_id: str, messages: list[ChatMessage]) -> list[int]:
         """Render `messages` with the tokenizer's chat template, ready for the assistant's turn."""
@@ -214,6 +227,23 @@ class TransformersEngine:
             return self.model.disable_adapter()
         self.model.set_adapter(self._adapter_names[model_id])
         return contextlib.nullcontext()
+
+
+def _check_weights(loading: dict[str, Any]) -> None:
+    """Refuse weights that do not fit config.json, or are missing from the checkpoint: they would
+    be served random. transformers' own error names none ("look at the above report", a report
+    only the replica's log has), so this one names them."""
+    problems = [
+        f"{key} is {list(stored)} in the checkpoint, {list(wanted)} by config.json"
+        for key, stored, wanted in sorted(loading.get("mismatched_keys") or [])
+    ]
+    problems += [f"{key} is missing" for key in sorted(loading.get("missing_keys") or [])]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(
+            "The checkpoint's weights do not match its config.json: "
+            f"{'; '.join(problems[:3])}{more}"
+        )
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:

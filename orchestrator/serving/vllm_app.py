@@ -17,6 +17,9 @@ from orchestrator.spec.training import Compute
 from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.root import StorageRoot
 
+# The replica class: Ray Serve LLM's LLMServer, ready once its engine answered (vllm_server.py).
+SERVER_CLS = "orchestrator.serving.vllm_server:VLLMServer"
+
 
 def build_app(args: dict[str, Any]) -> Any:
     """`import_path` target of the Serve config: the OpenAI app Ray Serve LLM builds."""
@@ -29,7 +32,9 @@ def build_app(args: dict[str, Any]) -> Any:
         ) from e
     model = ServedModel.model_validate(args["model"])
     compute = Compute.model_validate(args["compute"]) if args.get("compute") else None
-    serving: dict[str, Any] = {"llm_configs": [llm_config(model, compute, publish=True)]}
+    # The server class only here: naming it makes LLMConfig import it, and so vLLM.
+    config = {**llm_config(model, compute, publish=True), "server_cls": SERVER_CLS}
+    serving: dict[str, Any] = {"llm_configs": [config]}
     if not _has_gpus(compute):  # see _on_cpu
         serving["ingress_deployment_config"] = {"ray_actor_options": {"num_cpus": 0}}
     return build_openai_app(serving)
@@ -42,7 +47,12 @@ def llm_config(model: ServedModel, compute: Compute | None, publish: bool = Fals
     engine_kwargs: dict[str, Any] = {}
     config: dict[str, Any] = {
         "model_loading_config": {"model_id": model.name, "model_source": _source(root, model)},
-        "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+        "deployment_config": {
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 1},
+            # An engine that cannot start or run the model fails every try alike; each costs
+            # an engine start (tens of seconds), so one try, as transformers has.
+            "max_constructor_retry_count": 1,
+        },
         "engine_kwargs": engine_kwargs,
         "runtime_env": {"env_vars": dict(model.env)} if model.env else None,
     }
