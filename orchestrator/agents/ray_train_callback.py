@@ -1,0 +1,187 @@
+"""The callback Ray Train loads through RAY_TRAIN_CALLBACKS, which puts a Ray Train job's workers
+inside the job's own placement group and leaves retries to orchestrator.
+
+The queue admitted the job's nodes as the group `orchestrator-<job id>` (one bundle per node);
+Train would make a group of its own, racing every other piece of work for the GPUs between our
+release and its placement (docs/design/ray-train.md, P2). So in Train's controller process this
+callback swaps Train's worker group for one that borrows our group (`_create_placement_group`),
+puts worker i in bundle i // workers_per_node (`_create_workers`), keeps Train's placement-group
+cleaner off our group, and turns every RETRY Train decides into the end of the attempt: one
+retry budget, the job's `--retries`. Importing this module with a Ray whose Train lacks a seam
+raises RayTrainSeamsMissing naming the version (ray_train_seams.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group_table
+
+from orchestrator.agents.ray_train_seams import TRAIN_PG_ENV, TRAIN_WORKERS_ENV, seams
+
+_seams = seams()  # every private attribute below was found and checked here, once
+
+
+class NotAnOrchestratorTrainJob(RuntimeError):
+    """The callback was named in RAY_TRAIN_CALLBACKS outside a job that set up its group."""
+
+
+class AdmittedShapeMismatch(RuntimeError):
+    """The script's ScalingConfig asks for other workers than the job was admitted with.
+    Not one of Train's retryable controller errors: Train ends the run with it."""
+
+
+class TrainRetryRefused(RuntimeError):
+    """Train wanted to retry; the job's own retries decide (also not retryable for Train)."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the queue admitted the job with: its group's name and its number of Train workers."""
+
+    placement_group: str
+    workers: int
+
+    @classmethod
+    def from_env(cls) -> Admission:
+        name, workers = os.environ.get(TRAIN_PG_ENV), os.environ.get(TRAIN_WORKERS_ENV, "")
+        if not name or not workers.isdigit() or int(workers) < 1:
+            raise NotAnOrchestratorTrainJob(
+                f"RAY_TRAIN_CALLBACKS names orchestrator's callback, but {TRAIN_PG_ENV}="
+                f"{name!r} and {TRAIN_WORKERS_ENV}={workers!r} are not a job's group and worker "
+                "count: run this script as an orchestrator job with ray_train set in its config"
+            )
+        return cls(name, int(workers))
+
+
+def shape_problem(
+    admission: Admission, bundles: list[dict[str, float]], num_workers: int,
+    resources_per_worker: dict[str, float],
+) -> str | None:  # fmt: skip
+    """Why the script's workers cannot run in the admitted bundles, with the fix; None: they fit."""
+    if num_workers != admission.workers:
+        return (
+            f"the script asks for {num_workers} Ray Train workers, the job was admitted with "
+            f"{admission.workers}: set ScalingConfig(num_workers={admission.workers})"
+        )
+    if not bundles or num_workers % len(bundles):
+        return (
+            f"{num_workers} Ray Train workers do not divide evenly over the job's "
+            f"{len(bundles)} node(s): set ray_train.workers_per_node in the job's config"
+        )
+    per_node = num_workers // len(bundles)
+    for index, bundle in enumerate(bundles):
+        for resource, amount in resources_per_worker.items():
+            if bundle.get(resource, 0) + 1e-9 < amount * per_node:
+                return (
+                    f"{per_node} Ray Train workers asking {resource}={amount:g} each do not fit "
+                    f"node {index}'s share of the job ({bundle}): ask at most "
+                    f"{bundle.get(resource, 0) / per_node:g} {resource} per worker in "
+                    "ScalingConfig(resources_per_worker=...), or fewer ray_train.workers_per_node"
+                )
+    return None
+
+
+def job_group(name: str) -> PlacementGroup:
+    """The job's placement group by name, whatever Ray namespace made it (the user's driver
+    runs in a namespace of its own, the job's controller made the group in another)."""
+    live = [g for g in placement_group_table().values()
+            if g.get("name") == name and g.get("state") != "REMOVED"]  # fmt: skip
+    if not live:
+        raise NotAnOrchestratorTrainJob(
+            f"the job's placement group {name!r} is not there: its nodes were given back "
+            "(the job was stopped or preempted), so Ray Train has nowhere to run"
+        )
+    return PlacementGroup(ray.PlacementGroupID.from_hex(live[0]["placement_group_id"]))
+
+
+class BorrowedPlacementGroupHandle(_seams.DefaultPlacementGroupHandle):
+    """The job's group lent to Train: Train's shutdown of it does nothing, the job removes it."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class BorrowedPlacementWorkerGroup(_seams.WorkerGroup):
+    """Train's worker group, placed in the job's group rather than in one of its own."""
+
+    admission: ClassVar[Admission | None] = None  # set in the controller's process (install)
+
+    def _create_placement_group(self, scaling_config: Any, worker_group_context: Any) -> Any:
+        admission = self.admission
+        assert admission is not None, "install() sets the admission before the first start"
+        group = job_group(admission.placement_group)
+        problem = shape_problem(admission, group.bundle_specs, worker_group_context.num_workers,
+                                dict(worker_group_context.resources_per_worker))  # fmt: skip
+        if problem:
+            raise AdmittedShapeMismatch(problem)
+        return BorrowedPlacementGroupHandle(group)
+
+    def _create_workers(self, num_workers: int, placement_group: PlacementGroup,
+                        resources_per_worker: dict[str, float],
+                        placement_group_bundle_indices: list[int] | None = None,
+                        **kwargs: Any) -> Any:  # fmt: skip
+        if placement_group_bundle_indices is None:  # one bundle per node: i // workers per node
+            per_node = num_workers // len(placement_group.bundle_specs)
+            placement_group_bundle_indices = [i // per_node for i in range(num_workers)]
+        return super()._create_workers(
+            num_workers, placement_group, resources_per_worker,
+            placement_group_bundle_indices=placement_group_bundle_indices, **kwargs,
+        )  # fmt: skip
+
+
+def install(admission: Admission) -> None:
+    """In Train's controller process (one controller a process): its worker groups borrow the
+    job's group, and Train's cleaner, which removes a dead controller's group, never sees it."""
+    BorrowedPlacementWorkerGroup.admission = admission
+    _seams.TrainController.worker_group_cls = BorrowedPlacementWorkerGroup
+    cleaner = _seams.PlacementGroupCleanerCallback
+    original = cleaner.after_worker_group_start
+    if getattr(original, "_keeps_jobs_group", False):
+        return
+
+    def after_worker_group_start(callback: Any, worker_group: Any) -> Any:
+        handle = worker_group.get_worker_group_state().placement_group_handle
+        if isinstance(handle, BorrowedPlacementGroupHandle):
+            return None  # the job's reservation: the job removes it, never Train
+        return original(callback, worker_group)
+
+    after_worker_group_start._keeps_jobs_group = True  # type: ignore[attr-defined]
+    cleaner.after_worker_group_start = after_worker_group_start
+
+
+class OrchestratorTrainCallback(_seams.ControllerCallback, _seams.WorkerGroupCallback):
+    """Made in the user's driver (reading the job's admission there), pickled to Train's
+    controller, where it installs the borrowing and refuses Train's retries."""
+
+    def __init__(self) -> None:
+        self._admission = Admission.from_env()
+        self._failures: dict[int, str] = {}  # rank -> its last error's first line
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        install(self._admission)
+
+    def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        errors = worker_group_status.errors
+        if errors:
+            self._failures = {rank: _first_line(e) for rank, e in sorted(errors.items())}
+
+    def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
+        if failure_decision != _seams.FailureDecision.RETRY:
+            return
+        failed = "; ".join(f"rank {r}: {line}" for r, line in self._failures.items())
+        raise _seams.ControllerError(
+            TrainRetryRefused(
+                f"a Ray Train worker failed ({failed or 'the worker group could not start'}). "
+                "Ray Train's own retries (FailureConfig) are not used in an orchestrator job: "
+                "the job's retries are (push --retries), so this attempt ends here"
+            )
+        )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return f"{type(error).__name__}: {text.splitlines()[0][:300]}"
