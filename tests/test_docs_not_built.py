@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
+from orchestrator.agents import ray_train_seams
 from orchestrator.agents.messages import ImageRequest
 from orchestrator.agents.runtimes import JobRuntime, push_notices, runtime_for
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import store_job
-from orchestrator.client.support import UNBUILT, Unbuilt, check_support
+from orchestrator.client.support import UNBUILT, Unbuilt, check_support, ray_train_retries
 from orchestrator.controller.environment import job_environment
 from orchestrator.errors import UnsupportedFeatureError
 from orchestrator.spec.training import TrainingJob, TrainingProject
@@ -106,6 +107,10 @@ ASKING: dict[str, list[TrainingJob]] = {
         for provider in ("vs_code", "cursor", "ssh")
     ],
     "compute.availability_model": [job_of(compute={"availability_model": "spot"})],
+    "runtime.checkpointing_config.enabled": [
+        job_of(ray_train={}, runtime={"start_commands": ["python train.py"],
+                                      "checkpointing_config": {"enabled": True}}),
+    ],
 }  # fmt: skip
 PLAIN = job_of()
 
@@ -212,7 +217,20 @@ def check_enable_baseten_workdir(kind: str, tmp_path: Path, _: pytest.MonkeyPatc
     assert job_environment(record, node)["BT_WORKING_DIR"] == node.working_dir
 
 
+def check_ray_train(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert kind == "refused"
+    train, plain = job_of(ray_train={}), job_of()
+    refused = ray_train_retries(train, 1)
+    assert refused is not None and refused.startswith("retries (1) of a ray_train job: Ray Train")
+    assert ray_train_retries(train, 0) is None and ray_train_retries(plain, 3) is None
+    assert check_support(train).errors == ()  # this Ray has every seam
+    monkeypatch.setattr(ray_train_seams, "seams_missing", lambda: "this Ray (2.99.0) lacks x")
+    assert check_support(train).errors == ("ray_train: this Ray (2.99.0) lacks x",)
+    assert check_support(plain).errors == ()
+
+
 CHECKS: dict[str, Callable[[str, Path, pytest.MonkeyPatch], None]] = {
+    "ray_train": check_ray_train,
     "image.base_image": check_base_image,
     "image.docker_auth": check_docker_auth,
     "enable_baseten_workdir": check_enable_baseten_workdir,

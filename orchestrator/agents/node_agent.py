@@ -33,7 +33,7 @@ from orchestrator.agents.messages import (
     ShellResult,
 )
 from orchestrator.agents.node_preparer import NodePreparer
-from orchestrator.agents.rank_program import RankContext, StartRequest
+from orchestrator.agents.rank_program import CLUSTER_ADDRESS_ENV, RankContext, StartRequest
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.node.node_root import RankDirs
@@ -51,8 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TERMINAL_GROUP", "TERMINAL_THREADS", "NodeAgent", "agent_name"]
 
-# Not RAY_ADDRESS itself: a job may start a Ray head of its own, which that name would confuse.
-RAY_ADDRESS_ENV = "ORCHESTRATOR_RAY_ADDRESS"
+RAY_ADDRESS_ENV = CLUSTER_ADDRESS_ENV
 TERMINAL_GROUP = "terminal"  # the agent's concurrency group for terminals
 TERMINAL_THREADS = 8  # two per open terminal (its output long-poll and its input)
 

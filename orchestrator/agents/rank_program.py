@@ -5,7 +5,9 @@ A program is plain data that crosses the Ray call in the rank's `StartRequest` a
 node against a `RankContext` (the rank's environment, directory, masking and the runner of its
 processes). Today's kind is the job's `start_commands` (`CommandsProgram`). A new kind is one
 class with `for_job`, `describe` and `run`, plus one `register` line: nothing else branches on
-what a rank runs. `StartRequest` carries the program to the rank, with what it runs with.
+what a rank runs. `StartRequest` carries the program to the rank, with what it runs with. A
+kind whose own workers use the bundle (Ray Train's) says so with `lends_bundle`: its ranks'
+agents then hold none of it (controller/plan.py, `RankPlan.agent_share`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from orchestrator import actor_names
 from orchestrator.agents.messages import CommandsEnded, MetricsRequest, OutputLines
+from orchestrator.agents.ray_train_seams import (
+    CALLBACK_PATH,
+    RAY_TRAIN_CALLBACKS_ENV,
+    TRAIN_PG_ENV,
+    TRAIN_WORKERS_ENV,
+)
 from orchestrator.agents.runtimes import HostRuntime, JobRuntime
 
 if TYPE_CHECKING:
@@ -23,6 +32,10 @@ if TYPE_CHECKING:
     from orchestrator.node.rank_runtime import RankRuntime
     from orchestrator.node.secrets import SecretMasker
     from orchestrator.spec.training import TrainingJob
+
+# The cluster's GCS address, in every rank's environment. Not RAY_ADDRESS itself: a job may start
+# a Ray head of its own, which that name would confuse (a Ray Train job gets RAY_ADDRESS too).
+CLUSTER_ADDRESS_ENV = "ORCHESTRATOR_RAY_ADDRESS"
 
 
 @dataclass(frozen=True)
@@ -46,7 +59,11 @@ class RankContext:
 
 class RankProgram(Protocol):
     """One kind of work a rank does. Its `run` yields OutputLines as they come and ends with
-    one CommandsEnded (its exit code, what failed, the last lines)."""
+    one CommandsEnded (its exit code, what failed, the last lines). `lends_bundle`: its
+    ranks' agents take none of their bundle, which the program's own workers use (absent:
+    False)."""
+
+    lends_bundle: ClassVar[bool]
 
     @classmethod
     def for_job(cls, job: TrainingJob) -> RankProgram | None:
@@ -105,6 +122,7 @@ class CommandsProgram:
     fails (agents/command_runner.py); every job that is of no other kind runs these."""
 
     commands: tuple[str, ...]
+    lends_bundle: ClassVar[bool] = False
 
     @classmethod
     def for_job(cls, job: TrainingJob) -> CommandsProgram:
@@ -116,5 +134,55 @@ class CommandsProgram:
     def run(self, context: RankContext) -> Iterator[OutputLines | CommandsEnded]:
         yield from context.runner.run(
             self.commands, context.env, context.cwd, context.mask,
+            before_end=context.before_end, runtime=context.runtime,
+        )  # fmt: skip
+
+
+@register
+@dataclass(frozen=True)
+class RayTrainProgram:
+    """A `ray_train` job: rank 0 runs the start_commands as the Ray Train driver, joined to this
+    cluster, and Train's workers run in the job's placement group, `workers_per_node` in each
+    node's bundle (agents/ray_train_callback.py puts them there). The other ranks run nothing:
+    their bundles stay reserved for those workers until the job ends."""
+
+    commands: tuple[str, ...]
+    workers: int  # node_count x workers_per_node: what the script's ScalingConfig must ask
+    lends_bundle: ClassVar[bool] = True  # Train's workers take the bundle, not the agents
+
+    @classmethod
+    def for_job(cls, job: TrainingJob) -> RayTrainProgram | None:
+        if job.ray_train is None:
+            return None
+        return cls(tuple(job.runtime.start_commands), job.ray_train.workers(job.compute))
+
+    def describe(self) -> str:
+        return f"Ray Train ({self.workers} workers) from rank 0's {len(self.commands)} command(s)"
+
+    def driver_environment(self, env: dict[str, str]) -> dict[str, str]:
+        """What rank 0's commands get besides the job's variables: the cluster to join, the
+        callback Train loads, the group it borrows, the workers the job was admitted with."""
+        driver = {"RAY_ADDRESS": env[CLUSTER_ADDRESS_ENV]} if CLUSTER_ADDRESS_ENV in env else {}
+        return {
+            **driver,
+            RAY_TRAIN_CALLBACKS_ENV: CALLBACK_PATH,
+            TRAIN_PG_ENV: actor_names.placement_group(env["BT_TRAINING_JOB_ID"]),
+            TRAIN_WORKERS_ENV: str(self.workers),
+            "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",  # the dashboard's Train view
+        }
+
+    def run(self, context: RankContext) -> Iterator[OutputLines | CommandsEnded]:
+        if context.rank != 0:
+            yield OutputLines([context.tag(
+                "Ray Train runs from rank 0: this rank runs nothing, its node's share stays "
+                "reserved in the job's placement group for Train's workers", False,
+            )])  # fmt: skip
+            yield CommandsEnded(exit_code=0)
+            return
+        # Every worker's lines in the job's log, not Ray's "[repeated 3x across cluster]" (a
+        # RAY_DEDUP_LOGS of the job's own wins).
+        env = {"RAY_DEDUP_LOGS": "0", **context.env, **self.driver_environment(context.env)}
+        yield from context.runner.run(
+            self.commands, env, context.cwd, context.mask,
             before_end=context.before_end, runtime=context.runtime,
         )  # fmt: skip

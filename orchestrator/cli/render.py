@@ -49,6 +49,8 @@ def print_job_summary(summary: dict[str, Any]) -> None:
         f"{summary['nodes']} x (cpu {node['cpu']}, memory {node['memory']}, accelerator {accel})",
     )
     table.add_row("availability", summary["availability_model"])
+    if summary.get("ray_train"):
+        table.add_row("ray train", summary["ray_train"])
     commands = summary["start_commands"]
     table.add_row("start commands", "\n".join(commands) if commands else "(none)")
     env = summary["environment"]

@@ -7,7 +7,7 @@ from typing import Any
 from orchestrator.client.support import check_support
 from orchestrator.client.workspace import WorkspacePlan
 from orchestrator.spec.secrets import SecretReference
-from orchestrator.spec.training import TrainingProject
+from orchestrator.spec.training import TrainingJob, TrainingProject
 
 
 def describe_job(project: TrainingProject, plan: WorkspacePlan | None = None) -> dict[str, Any]:
@@ -29,6 +29,7 @@ def describe_job(project: TrainingProject, plan: WorkspacePlan | None = None) ->
             "gpus": compute.gpus_per_node,
         },
         "availability_model": compute.availability_model.value,
+        "ray_train": _ray_train(project.job),
         "priority": job.priority,
         "interactive_session": (
             job.interactive_session.model_dump(mode="json") if job.interactive_session else None
@@ -68,3 +69,16 @@ def describe_job(project: TrainingProject, plan: WorkspacePlan | None = None) ->
             "skipped": list(plan.skipped),
         }
     return summary
+
+
+def _ray_train(job: TrainingJob) -> str | None:
+    """`4 Ray Train workers: 2 nodes \u00d7 2, 1 GPU each`: what the script's ScalingConfig says."""
+    if job.ray_train is None:
+        return None
+    compute, per_node = job.compute, job.ray_train.per_node(job.compute)
+    nodes = f"{compute.node_count} node{'s' if compute.node_count > 1 else ''}"
+    line = f"{job.ray_train.workers(compute)} Ray Train workers: {nodes} \u00d7 {per_node}"
+    if compute.gpus_per_node and compute.gpus_per_node % per_node == 0:
+        each = compute.gpus_per_node // per_node
+        line += f", {each} GPU{'s' if each > 1 else ''} each"
+    return line

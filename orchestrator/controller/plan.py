@@ -23,6 +23,14 @@ class RankPlan:
     bundle: dict[str, float]
     program: RankProgram
 
+    @property
+    def agent_share(self) -> dict[str, float]:
+        """What the rank's agent holds of its bundle: all of it (its commands' processes use
+        it), or nothing where the program's own workers take the bundle (Ray Train's)."""
+        if getattr(self.program, "lends_bundle", False):
+            return {"CPU": 0, "memory": 0}
+        return dict(self.bundle)
+
 
 @dataclass(frozen=True)
 class GroupPlan:

@@ -84,17 +84,17 @@ class RayRankGroup:
 
     def _start_agent(self, rank: int) -> Any:
         assert self.plan is not None
-        bundle = self.plan.ranks[rank].bundle
+        share = self.plan.ranks[rank].agent_share  # the bundle, or none of it (Ray Train's)
         return (
             _agent_class()
             .options(
                 name=agent_name(self.record.job_id, rank),
                 namespace=NAMESPACE,
                 max_concurrency=4,
-                num_cpus=bundle["CPU"],
-                num_gpus=bundle.get("GPU", 0),
-                memory=bundle["memory"],
-                resources={k: v for k, v in bundle.items() if k.startswith("accelerator")},
+                num_cpus=share["CPU"],
+                num_gpus=share.get("GPU", 0),
+                memory=share["memory"],
+                resources={k: v for k, v in share.items() if k.startswith("accelerator")},
                 scheduling_strategy=self.placement.bundle(rank),
                 runtime_env=self.plan.runtime.agent_runtime_env(),
             )

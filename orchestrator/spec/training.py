@@ -197,6 +197,21 @@ class InteractiveSession(StrictModel):
     )
 
 
+class RayTrain(StrictModel):
+    """Orchestrator's extension (Baseten has none): rank 0's start_commands run a Ray Train
+    trainer, whose workers orchestrator places in the job's own nodes (docs/user-guide.md)."""
+
+    workers_per_node: StrictInt | None = Field(default=None, ge=1)
+
+    def per_node(self, compute: Compute) -> int:
+        """Ray Train workers on each node: as set, else one per GPU, else one."""
+        return self.workers_per_node or compute.gpus_per_node or 1
+
+    def workers(self, compute: Compute) -> int:
+        """Every Ray Train worker of the job: what its ScalingConfig(num_workers=...) must say."""
+        return compute.node_count * self.per_node(compute)
+
+
 class TrainingJob(StrictModel):
     """One run of training code on `compute.node_count` nodes."""
 
@@ -209,6 +224,7 @@ class TrainingJob(StrictModel):
     workspace: Workspace | None = None
     weights: list[WeightsSource] = Field(default_factory=list)
     enable_baseten_workdir: StrictBool = True
+    ray_train: RayTrain | None = None  # orchestrator's extension
 
     @field_validator("weights")
     @classmethod
@@ -228,6 +244,22 @@ class TrainingJob(StrictModel):
                         "mount each source at its own directory"
                     )  # fmt: skip
         return weights
+
+    @model_validator(mode="after")
+    def _train_workers_fit(self) -> TrainingJob:
+        """Each node's share holds its Ray Train workers at Train's default (1 CPU each, and
+        1 GPU each on a GPU node): refused here rather than by Train on the cluster."""
+        if self.ray_train is None:
+            return self
+        compute, per_node = self.compute, self.ray_train.per_node(self.compute)
+        for have, what in ((compute.cpu_count, "CPU"), (compute.gpus_per_node, "GPU")):
+            if have and have < per_node:
+                raise FieldProblem(
+                    ("ray_train", "workers_per_node"), f"{per_node} workers per node do not "
+                    f"fit a node's {have} {what}{'s' if have > 1 else ''} (compute), each "
+                    f"taking one: set it to at most {have}, or ask for more {what}s per node"
+                )  # fmt: skip
+        return self
 
     def secret_references(self) -> list[SecretReference]:
         """Every secret the job names: env vars, weight sources, image pull credentials."""
