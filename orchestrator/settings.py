@@ -210,4 +210,5 @@ SHARED_CACHE_DIR = _setting("SHARED_CACHE_DIR", None, text, NODE)
 TRAINING_CACHE_DIR = _setting("TRAINING_CACHE_DIR", None, text, NODE)
 
 # Not settings: ORCHESTRATOR_SECRET_<NAME> (secret values, storage/secret_store.py) and
-# ORCHESTRATOR_RAY_ADDRESS (what a job's commands are given, agents/node_agent.py).
+# what a job's commands are given: ORCHESTRATOR_RAY_ADDRESS (agents/rank_program.py) and a Ray
+# Train job's ORCHESTRATOR_TRAIN_PG and ORCHESTRATOR_TRAIN_WORKERS (agents/ray_train_seams.py).

@@ -12,6 +12,12 @@ from orchestrator.client.submit import scheduling_timeout
 from orchestrator.errors import ConfigError
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+# What a job's commands are given, not settings: where each is defined.
+JOB_GIVEN = {
+    "ORCHESTRATOR_RAY_ADDRESS": "agents/rank_program.py",
+    "ORCHESTRATOR_TRAIN_PG": "agents/ray_train_seams.py",
+    "ORCHESTRATOR_TRAIN_WORKERS": "agents/ray_train_seams.py",
+}
 
 
 def test_configuration_md_lists_exactly_the_settings():
@@ -19,7 +25,7 @@ def test_configuration_md_lists_exactly_the_settings():
     section = text[text.index("## Environment variables") : text.index("## Differences from")]
     # Full names only: "ORCHESTRATOR_CHECKPOINT_*" and the like name a group, not a variable.
     documented = set(re.findall(r"\bORCHESTRATOR_[A-Z0-9_]*[A-Z0-9]\b(?!_\*)", section))
-    documented -= {"ORCHESTRATOR_RAY_ADDRESS"}  # what a job is given, not a setting
+    documented -= JOB_GIVEN.keys()
     assert documented == {s.name for s in settings.all_settings()}
 
 
@@ -34,8 +40,7 @@ def test_every_variable_is_read_through_the_registry():
         if path.name != "settings.py"
         for match in defined.finditer(path.read_text())
     ]
-    # What a job's commands are given, not a setting:
-    assert direct == [("agents/node_agent.py", "ORCHESTRATOR_RAY_ADDRESS")]
+    assert sorted(direct) == sorted((path, name) for name, path in JOB_GIVEN.items())
 
 
 @pytest.mark.parametrize("raw", ["soon", "0", "-5"])
