@@ -391,23 +391,28 @@ def test_an_empty_directory_is_never_a_checkpoint(tmp_path):
     assert names(root) == []
 
 
-def test_top_level_links_and_files_are_not_checkpoints(root, tmp_path):
+def test_top_level_links_are_not_followed_and_top_level_files_are_one_checkpoint(root, tmp_path):
+    """A link at the top is never followed; the files at the top (`torch.save(...,
+    f"{dir}/model.pt")`) are the checkpoint `top-level` (tests/test_checkpoint_top_level.py)."""
     private = tmp_path / "home" / ".ssh"
     private.mkdir(parents=True)
     (private / "id_rsa").write_text("PRIVATE KEY 91c2")
     local = tmp_path / "ckpts"
     up = uploader(root, local, settle_s=0)
     os.symlink(private, local / "latest")  # a link to a directory outside
-    (local / "model.pt").write_bytes(b"a file, not a directory")
+    os.symlink(private / "id_rsa", local / "key")  # a link to a file outside
+    (local / "model.pt").write_bytes(b"a file at the top")
     write_checkpoint(local / "checkpoint-1", {"w.bin": b"x"})
     result = up.flush(timeout=30, clean=True)
     assert states(result) == {
-        "checkpoint-1": "uploaded", "latest": "ignored", "model.pt": "ignored",
+        "checkpoint-1": "uploaded", "key": "ignored", "latest": "ignored", "top-level": "uploaded",
     }  # fmt: skip
-    assert names(root) == ["checkpoint-1"]
+    assert names(root) == ["checkpoint-1", "top-level"]
+    (top,) = [m for m in CheckpointStore(root).list("p", "j") if m.name == "top-level"]
+    assert [f.path for f in top.files] == ["model.pt"]
     said = [e for e in result.events if "ignoring latest" in e]
     assert len(said) == 1 and "symbolic link" in said[0]
-    assert any("ignoring model.pt: a file at the top" in e for e in result.events)
+    assert not any("ignoring model.pt" in e for e in result.events), result.events
     assert not any(b"PRIVATE KEY" in root.fs.cat_file(p) for p in root.fs.find(root.path("")))
 
 

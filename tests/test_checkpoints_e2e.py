@@ -213,8 +213,12 @@ TorchTrainer(
 def test_ray_train_reports_land_in_the_checkpoint_layout(tmp_path, storage_root):
     job = push(writer_job(tmp_path / "job", "ray-train", RAY_TRAIN), storage_root=storage_root)
     assert job.wait(timeout=240) == JobState.COMPLETED, "\n".join(job.logs()[-30:])
-    manifests = job.checkpoints()
+    manifests = [m for m in job.checkpoints() if m.name != "top-level"]
     assert len(manifests) == 2 and all(m.name.startswith("checkpoint_") for m in manifests)
+    # Ray Train's own state at the top of the run's directory (its checkpoint manager's
+    # snapshot, which a resumed run reads) is the checkpoint of the files at the top.
+    (top,) = [m for m in job.checkpoints() if m.name == "top-level"]
+    assert "checkpoint_manager_snapshot.json" in {f.path for f in top.files}, top.files
     store = CheckpointStore(StorageRoot(storage_root))
     last = store.download(manifests[-1], tmp_path / "down")
     assert (last / "model.txt").read_text() == "epoch 1"

@@ -23,8 +23,9 @@ import yaml
 from conftest import NODE_SECRET_NAME, NODE_SECRET_VALUE, eventually
 from ray.serve.schema import ServeDeploySchema
 from ray.util.state import list_actors, list_placement_groups
-from recipe_serving import broken_checkpoints, greedy, trained_recipe
+from recipe_serving import BROKEN_CONFIG, RECIPE, broken_checkpoints, greedy, trained_recipe
 
+from orchestrator.client.api import push
 from orchestrator.client.audit import events
 from orchestrator.client.deploy import (
     DeployError,
@@ -35,6 +36,7 @@ from orchestrator.client.deploy import (
     stop_deployment,
 )
 from orchestrator.client.jobs import JobHandle
+from orchestrator.lifecycle import JobState
 from orchestrator.spec.deploy import DeployCheckpointsConfig, DeployCheckpointsRuntime
 from orchestrator.spec.secrets import SecretReference
 
@@ -310,3 +312,35 @@ def _serve_details(dashboard_url: str) -> dict:
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
     return ServeSubmissionClient(dashboard_url).get_serve_details()
+
+
+# `model.save_pretrained(os.environ["BT_CHECKPOINT_DIR"])`: config.json and model.safetensors at
+# the top of the directory, which are the checkpoint `top-level` (issue 58).
+SAVED_AT_THE_TOP = f"""
+import os, sys
+sys.path.insert(0, {str(RECIPE)!r})
+import tiny_lm
+tokenizer = tiny_lm.build_tokenizer()
+tiny_lm.build_model(tokenizer, seed=3).save_pretrained(os.environ["BT_CHECKPOINT_DIR"])
+tokenizer.save_pretrained(os.environ["BT_CHECKPOINT_DIR"])
+"""
+
+
+def test_a_model_saved_straight_into_the_checkpoint_directory_is_served(trained, tmp_path):
+    storage_root = trained[1]
+    (tmp_path / "write.py").write_text(SAVED_AT_THE_TOP)
+    (tmp_path / "config.py").write_text(BROKEN_CONFIG.replace("broken-models", "saved-at-top"))
+    job = push(tmp_path / "config.py", storage_root=storage_root)
+    assert job.wait(timeout=300) == JobState.COMPLETED, job.logs()[-20:]
+    assert not any("ignoring" in line for line in job.logs()), job.logs()[-20:]
+    (top,) = job.checkpoints()
+    assert (top.name, top.checkpoint_type, top.complete) == ("top-level", "full", True)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.path for f in top.files}
+    local = job.download_checkpoint(top, tmp_path / "top-level")
+    deployment = deploy_checkpoints(job_id=job.id, checkpoints=["top-level"], model_name="top",
+                                    storage_root=storage_root)  # fmt: skip
+    assert deployment.status == "RUNNING", deployment
+    client = openai.OpenAI(base_url=deployment.url, api_key="unused", max_retries=0)
+    done = client.completions.create(model="top", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert done.choices[0].text == greedy(local, PROMPT, 8)
+    stop_deployment("top", storage_root=storage_root)

@@ -10,12 +10,15 @@ known to be shared (issue 58), on the simulated GPU cluster of tests/test_faults
 - Rank 0 saves for every rank; rank 1's node crashes after rank 0 stored checkpoints. Rank 1
   was seen running with an empty directory after rank 0's first: it gets rank 0's copy, and
   the job keeps its progress.
+- nanoGPT's pattern: rank 0 overwrites `$BT_CHECKPOINT_DIR/ckpt.pt` in place (the checkpoint
+  `top-level`), its node crashes, and every rank finds ckpt.pt at the same path on the retry.
 """
 
 from __future__ import annotations
 
 import pytest
 import test_faults
+import torch
 from conftest import eventually, make_job
 
 from orchestrator.client.api import push
@@ -191,4 +194,91 @@ def test_a_rank_that_never_writes_gets_the_writers_copy_when_its_node_crashes(
     ]
     # Its copy is rank 0's, restored: never stored again as rank 1's.
     assert {m.node_rank for m in job.checkpoints()} == {0}
+    test_faults.assert_nothing_left(job, faults)
+
+
+# nanoGPT's pattern (karpathy/nanoGPT train.py with --out_dir=$BT_CHECKPOINT_DIR): the master
+# process overwrites out_dir/ckpt.pt in place at every evaluation, and every rank resumes from
+# out_dir/ckpt.pt (--init_from=resume) when it is there.
+NANOGPT = """
+import os, sys, time
+import torch
+rank, attempt = os.environ["BT_NODE_RANK"], os.environ["BT_RETRY_COUNT"]
+out_dir, max_iters = os.environ["BT_CHECKPOINT_DIR"], int(sys.argv[1])
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+iter_num = torch.load(ckpt_path)["iter_num"] if os.path.exists(ckpt_path) else 0
+print(f"attempt {attempt} resumes at {iter_num}", flush=True)
+while iter_num < max_iters:
+    time.sleep(0.5)
+    iter_num += 1
+    if rank == "0" and iter_num % 2 == 0:  # eval_interval, master_process
+        torch.save({"iter_num": iter_num, "model": torch.zeros(1000)}, ckpt_path)
+print("done", flush=True)
+"""
+
+LOADER = """
+import os, pathlib
+import torch
+root = pathlib.Path(os.environ["BT_LOAD_CHECKPOINT_DIR"])
+for path in sorted(root.rglob("ckpt.pt")):
+    print(f"loaded {path.relative_to(root)} at {torch.load(path)['iter_num']}", flush=True)
+"""
+
+
+def test_a_file_overwritten_in_place_resumes_at_its_path_after_a_crash(
+    tmp_path, storage_root, faults
+):
+    """Issue 58: `ckpt.pt` at the top of $BT_CHECKPOINT_DIR is the checkpoint `top-level`.
+    Rank 0's node crashes; the retry finds ckpt.pt at the same path on both ranks, holding the
+    last step stored, and continues; a later job loads it."""
+    faults.ensure_workers(3)
+    job = push(two_node_job(tmp_path / "job", NANOGPT, "24"), address=faults.dashboard_url,
+               storage_root=storage_root, retries=1)  # fmt: skip
+
+    def stored_version() -> int:
+        top = [m for m in job.checkpoints() if m.name == "top-level" and m.complete]
+        return top[0].version if top else 0
+
+    eventually(lambda: stored_version() >= 2, "ckpt.pt stored twice", 90)
+    crashed = job.details().nodes[0].node_id
+    faults.cluster.remove_node(faults.node(crashed), allow_graceful=False)
+    (last,) = [m for m in job.checkpoints() if m.name == "top-level"]
+    saved = job.download_checkpoint(last, tmp_path / "last")
+    step = torch.load(saved / "ckpt.pt")["iter_num"]
+
+    assert job.wait(timeout=180) == JobState.COMPLETED, "\n".join(job.logs()[-40:])
+    first, second = job.details().attempts
+    assert (first.cause, first.rank, second.resumed_from) == ("node_lost", 0, "top-level")
+    for rank in (0, 1):
+        lines = lines_of(job, rank)
+        assert [line for line in lines if line.startswith("attempt 1 ")] == [
+            f"attempt 1 resumes at {step}"
+        ], lines
+        assert any(line.startswith("[checkpoints] restored rank-0/top-level from the storage "
+                                   "root into $BT_CHECKPOINT_DIR for attempt 1: 1 files")
+                   for line in lines), lines  # fmt: skip
+    assert not any("ignoring ckpt.pt" in line for line in job.logs())
+    (final,) = job.checkpoints()
+    assert (final.name, final.node_rank, final.complete) == ("top-level", 0, True)
+    got = job.download_checkpoint(final, tmp_path / "final")
+    assert torch.load(got / "ckpt.pt")["iter_num"] == 24, "\n".join(lines_of(job, 0))
+
+    load = """
+        load_checkpoint_config=definitions.LoadCheckpointConfig(enabled=True, checkpoints=[
+            definitions.BasetenCheckpoint.from_latest_checkpoint(job_id=JOB)]),"""
+    config = make_job(tmp_path / "reader", f"""
+        from truss_train import definitions
+        JOB = {job.id!r}
+        project = definitions.TrainingProject(
+            name="faults",
+            job=definitions.TrainingJob(
+                image=definitions.Image(base_image="pytorch/pytorch:2.7.1"),
+                compute=definitions.Compute(cpu_count=1, memory="512Mi", accelerator="H100:2"),
+                runtime=definitions.Runtime(start_commands=["python load.py"],{load}),
+            ),
+        )
+        """, {"load.py": LOADER})  # fmt: skip
+    reader = push(config, address=faults.dashboard_url, storage_root=storage_root)
+    assert reader.wait(timeout=120) == JobState.COMPLETED, "\n".join(reader.logs()[-30:])
+    assert "loaded rank-0/top-level/ckpt.pt at 24" in lines_of(reader, 0), reader.logs()[-30:]
     test_faults.assert_nothing_left(job, faults)

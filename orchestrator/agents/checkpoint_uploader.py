@@ -8,7 +8,6 @@ happens on delete and rewrite) are in docs/architecture.md#the-checkpoint-upload
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import ray
 
 from orchestrator.agents.messages import StoredCheckpoint, UploaderFlush, UploaderPoll
-from orchestrator.node.checkpoint_rules import EntryKind, read_earlier_checkpoints, top_level
+from orchestrator.node.checkpoint_rules import read_earlier_checkpoints, top_level
 from orchestrator.node.checkpoint_tracking import (
     RENAMED,
     SETTLED,
@@ -32,7 +31,6 @@ from orchestrator.storage.checkpoints import (
     Manifest,
     UploadSettings,
 )
-from orchestrator.storage.local_checkpoint import snapshot
 from orchestrator.storage.metrics import UploadStats
 from orchestrator.storage.retry import StorageRetry, describe, is_transient
 from orchestrator.storage.root import StorageRoot
@@ -84,6 +82,7 @@ class CheckpointUploader:
         self._last_recheck = 0.0
         self._scans_done = 0  # scans finished (polled): the tracker counts those begun
         self._last_stored: StoredCheckpoint | None = None  # the newest stored complete
+        self._attempt = 0  # begun (begin_attempt): a late writer_ended of an earlier is dropped
         self._lock = threading.Lock()  # one scan (and upload) at a time
         self._done = UploadStats()  # what this uploader has stored (the backlog is worked out)
         self._stop = threading.Event()
@@ -123,10 +122,15 @@ class CheckpointUploader:
             "oldest_waiting_s": None if oldest is None else round(now - oldest, 1),
         })  # fmt: skip
 
-    def writer_ended(self, clean: bool, how: str, at: float | None = None) -> None:
+    def writer_ended(
+        self, clean: bool, how: str, at: float | None = None, attempt: int | None = None
+    ) -> None:
         """The rank's commands ended (`clean`: the last one exited 0): from now on a checkpoint
         is complete only by what its writer left (a later one of its series started after it
-        counts), never because it has been quiet."""
+        counts), never because it has been quiet. Those of an attempt before the one begun
+        (told late: a lost node's) are not this attempt's writer."""
+        if attempt is not None and attempt < self._attempt:
+            return
         if self.tracker.writer_end is None:
             self.tracker.writer_end = (clean, at or time.time(), how)
 
@@ -167,6 +171,7 @@ class CheckpointUploader:
         if not self._started.wait(60):
             raise TimeoutError(f"rank {self.rank}'s checkpoint uploader is not watching")
         with self._lock:
+            self._attempt = number
             self.tracker.writer_end = None
             self._set_aside(number, set(newer), resume.name if resume else None)
             if resume is not None and not self.tracker.exists(resume.name):
@@ -175,12 +180,13 @@ class CheckpointUploader:
 
     def _restore(self, number: int, chosen: Manifest) -> None:
         name, whose = chosen.name, f"rank-{chosen.node_rank}/{chosen.name}"
-        self.store.download(chosen, self.local_dir / name)
-        fingerprint = snapshot(self.local_dir / name).fingerprint
+        places = self.tracker.places
+        self.store.download(chosen, places.restore_target(name, chosen.top_level))
+        fingerprint = places.snapshot(name).fingerprint
         if chosen.node_rank == self.rank:
             t = self.tracker.tracked.setdefault(name, Tracked())
             t.stored, t.looked_up, t.restored, t.gone = chosen, True, fingerprint, None
-            t.seen, t.ready = None, None
+            t.seen, t.ready, t.cut_off = None, None, None
         else:
             self.tracker.restored[name] = (fingerprint, whose)
         self._event(
@@ -193,29 +199,10 @@ class CheckpointUploader:
         node; their stored copies stay): checkpoints not stored complete (an interrupted
         save), those newer than the job's resume point, and other ranks' copies restored for
         an earlier attempt (the resume point may have moved back)."""
-        aside: list[tuple[str, str, Tracked | None]] = []
-        for name, t in self.tracker.tracked.items():
-            if not self.tracker.exists(name) or name == resume:
-                continue
-            if name in newer:
-                why = f"it is newer than {resume}, the last checkpoint every rank stored"
-                if resume is None:
-                    why = "the job starts again: no checkpoint is one every rank can resume from"
-            elif not (t.stored.complete if t.stored is not None else t.ready is not None):
-                if t.seen is not None and not t.seen.files:
-                    continue  # an empty directory made first: the trainer fills it later
-                stored = "stored as INCOMPLETE" if t.stored is not None else "not stored"
-                why = f"it was not complete when the last attempt ended ({stored})"
-            else:
-                continue
-            aside.append((name, why, t))
-        for name, (_, whose) in self.tracker.restored.items():
-            if name != resume and self.tracker.exists(name):
-                aside.append((name, f"a copy of {whose} restored for an earlier attempt", None))
+        aside = self.tracker.to_set_aside(number, newer, resume)
         for name, why, tracked in aside:
             place = self.dirs.set_aside(number) / name
-            place.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(self.local_dir / name, place)
+            self.tracker.places.move(name, place)
             self._event(f"{name} moved to {place}: {why}; attempt {number} resumes from "
                         f"{resume or 'the start'}")  # fmt: skip
             if tracked is None:
@@ -231,6 +218,7 @@ class CheckpointUploader:
             if earlier is None:
                 time.sleep(SCAN_S)
         self.tracker.earlier = dict(earlier or {})
+        self.tracker.places.choose(self.dirs.top_level_name, self._event)
         self._renames = RenameWatch(self.local_dir)
         self._started.set()
         while not self._stop.wait(SCAN_S):
@@ -252,12 +240,13 @@ class CheckpointUploader:
             renamed = self._renames.renamed() if self._renames else set()
             appeared = self._renames.appeared() if self._renames else set()
             listed_at = time.time()
-            entries = top_level(self.local_dir, self.settings.temporary_patterns)
+            places = self.tracker.places
+            entries = places.kinds(top_level(self.local_dir, self.settings.temporary_patterns))
             self.tracker.notice(entries, appeared - set(entries))
             self.tracker.notice_writing(entries, appeared, listed_at)
             if self.tracker.writer_end is not None:
                 self._distrust_late_settles()
-            for name in sorted(n for n, k in entries.items() if k == EntryKind.CHECKPOINT):
+            for name in places.checkpoints(entries):
                 if deadline is not None and time.monotonic() > deadline:
                     self._event(f"checkpoint flush deadline passed; {name} not uploaded")
                     return
@@ -269,12 +258,10 @@ class CheckpointUploader:
 
     def _consider(self, name: str, recheck: bool, renamed: bool, final: bool) -> None:
         """Look at one checkpoint and upload it if it is complete and not stored as it is."""
+        look = self.tracker.places.snapshot
         if name in self.tracker.restored:
             fingerprint, whose = self.tracker.restored[name]
-            if (
-                not (recheck or renamed)
-                or snapshot(self.local_dir / name).fingerprint == fingerprint
-            ):
+            if not (recheck or renamed) or look(name).fingerprint == fingerprint:
                 return  # another rank's copy, restored for a retried attempt
             del self.tracker.restored[name]
             self._event(f"{name} (restored from {whose}) was changed by this job: it is "
@@ -282,7 +269,7 @@ class CheckpointUploader:
         if name in self.tracker.earlier:
             if not (recheck or renamed):
                 return  # an earlier job's: looked at again every RECHECK_S
-            if snapshot(self.local_dir / name).fingerprint == self.tracker.earlier[name]:
+            if look(name).fingerprint == self.tracker.earlier[name]:
                 if name not in self.tracker.said_earlier:
                     self.tracker.said_earlier.add(name)
                     self._event(f"skipping {name}: it was in the checkpoint directory before "
@@ -293,10 +280,11 @@ class CheckpointUploader:
         t = self.tracker.tracked.setdefault(name, Tracked())
         if not (recheck or renamed) and t.seen is not None and self.tracker.is_current(t):
             return  # stored as it is; looked at again every RECHECK_S
-        seen = snapshot(self.local_dir / name)
+        seen = look(name)
         now = time.monotonic()
         if t.seen is None or seen.fingerprint != t.seen.fingerprint:
             t.seen, t.changed_at, t.changed_wall, t.ready = seen, now, time.time(), None
+            t.cut_off = None
             t.changed_scan = self.tracker.scans
         if not t.looked_up:
             t.looked_up = True  # a restarted uploader finds what it committed before
@@ -316,7 +304,11 @@ class CheckpointUploader:
             return
         if t.failed and not final and now - t.failed_at < RETRY_S:
             return
-        self._upload(name, t, incomplete=None if t.ready else self.tracker.why_incomplete(name, t))
+        incomplete = None if t.ready else self.tracker.why_incomplete(name, t)
+        if incomplete and t.stored is not None and t.stored.complete:
+            self.tracker.keep_stored(name, t, incomplete)
+            return
+        self._upload(name, t, incomplete)
 
     def _distrust_late_settles(self) -> None:
         """A checkpoint judged settled after its writer died had not been quiet for settle_s
@@ -344,7 +336,8 @@ class CheckpointUploader:
         try:
             manifest = self.store.upload(
                 self.local_dir / name, self.project, self.job_id, self.rank, self.settings,
-                seen=t.seen, replaces=replaced, incomplete_reason=incomplete,
+                seen=t.seen, replaces=replaced, incomplete_reason=incomplete, name=name,
+                top_level=self.tracker.places.is_top(name),
             )  # fmt: skip
         except CheckpointChanged as e:
             self._abandoned(name, t, str(e))
@@ -381,7 +374,7 @@ class CheckpointUploader:
             f"{manifest.size_bytes / 1e6:.1f} MB in {took:.2f} s"
         )
         if self.settings.delete_local and not incomplete:
-            shutil.rmtree(self.local_dir / name, ignore_errors=True)
+            self.tracker.places.remove(name, t.seen)
 
     def _abandoned(self, name: str, t: Tracked, why: str) -> None:
         """A file changed or vanished mid-upload: nothing of that upload is kept."""

@@ -212,7 +212,7 @@ class NodePreparer:
         shutil.rmtree(dirs.scratch, ignore_errors=True)
         shutil.rmtree(dirs.workspace, ignore_errors=True)
         shutil.rmtree(dirs.loaded_checkpoints, ignore_errors=True)
-        for leftover in (dirs.earlier_checkpoints, dirs.failed, dirs.oom):
+        for leftover in (dirs.earlier_checkpoints, dirs.top_level_name, dirs.failed, dirs.oom):
             leftover.unlink(missing_ok=True)
         if not keep_checkpoints:
             shutil.rmtree(dirs.checkpoints, ignore_errors=True)

@@ -163,6 +163,7 @@ class Uploaders:
         # What earlier attempts' ends found, by "rank-N/name": a lost node's uploader starts
         # again knowing nothing of them.
         self._earlier: dict[str, CheckpointEntry] = {}
+        self.attempt = 0  # the attempt the ranks are at (begin_attempt)
         self.store = CheckpointStore(StorageRoot(record.storage_root))
         self.project, self.job_id = record.project_key, record.job_id
         # What each rank was seen writing, as its uploader last said (a lost node's too), over
@@ -251,6 +252,7 @@ class Uploaders:
         """Put every rank at the job's resume point (see `resume_point`) before attempt
         `number`, however long the restores take (a stop still ends it); the checkpoint's name,
         if the job has one. RestoreFailed says which rank could not be put there, and why."""
+        self.attempt = number
         manifests = self.store.list(self.project, self.job_id)
         point = resume_point(manifests, self.writes, len(self.actors))
         self._said.append(
@@ -279,8 +281,13 @@ class Uploaders:
         return events[cursor:]
 
     def writer_ended(self, ending: RankEnding) -> None:
-        """Tell a rank's uploader at once that its commands ended (not waited for)."""
-        self.actors[ending.rank].writer_ended.remote(ending.clean, ending.how, ending.at)
+        """Tell a rank's uploader at once that its commands ended (not waited for), unless
+        they were an earlier attempt's."""
+        if ending.attempt is not None and ending.attempt != self.attempt:
+            return
+        self.actors[ending.rank].writer_ended.remote(
+            ending.clean, ending.how, ending.at, ending.attempt
+        )
 
     def flush(
         self, endings: list[RankEnding], timeout: float | None = None
@@ -320,3 +327,6 @@ class RankEnding:
     clean: bool  # the last command exited 0: every checkpoint it left is complete
     how: str  # for an incomplete checkpoint's reason: "rank 0's command exited with code 137"
     at: float | None = None  # when, by the node's clock
+    # The attempt whose commands these were: an ending told once the next attempt has begun
+    # (a lost node's stream ends late) is not the new attempt's, and is dropped.
+    attempt: int | None = None

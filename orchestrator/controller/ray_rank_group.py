@@ -191,15 +191,19 @@ class RayRankGroup:
             stream = agent.run_program.options(
                 num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKLOG
             ).remote(request)
-            threading.Thread(target=self._follow, args=(stream, run, on_lines), daemon=True).start()
+            args = (stream, run, on_lines, self.uploaders.attempt if self.uploaders else 0)
+            threading.Thread(target=self._follow, args=args, daemon=True).start()
         if first and warm_workers.is_on():
             threading.Thread(target=self._warm_for_next, name="warm-workers", daemon=True).start()
 
-    def _follow(self, stream: Any, run: RankRun, on_lines: Callable[[list[str]], None]) -> None:
+    def _follow(
+        self, stream: Any, run: RankRun, on_lines: Callable[[list[str]], None], attempt: int
+    ) -> None:
         follow((ray.get(ref) for ref in stream), run, on_lines)
         if self.uploaders is not None:  # from now on nothing on that node is settling
             with contextlib.suppress(Exception):
-                self.uploaders.writer_ended(run.ending(None))
+                ending = dataclasses.replace(run.ending(None), attempt=attempt)
+                self.uploaders.writer_ended(ending)
 
     def _warm_for_next(self) -> None:
         """In the controller host, as many workers again as this job's actors took, on their

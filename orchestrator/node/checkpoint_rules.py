@@ -1,10 +1,12 @@
-"""The uploader's rules: which entries of `$BT_CHECKPOINT_DIR` are checkpoints, what says a
-checkpoint is not finished yet, and which later checkpoint of a series says an earlier one is.
+"""The uploader's rules: which entries of `$BT_CHECKPOINT_DIR` are checkpoints (each directory,
+and the files at the top together as one), what says a checkpoint is not finished yet, and which
+later checkpoint of a series says an earlier one is.
 docs/architecture.md#the-checkpoint-uploader states them in words.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fnmatch
 import json
@@ -15,7 +17,14 @@ from pathlib import Path
 
 import psutil
 
-from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS, Snapshot, snapshot
+from orchestrator.storage.local_checkpoint import (
+    COMPLETE_MARKER,
+    EARLIER_CHECKPOINTS,
+    Snapshot,
+    snapshot,
+    top_level_name,
+    top_snapshot,
+)
 
 # Names writers give a checkpoint while they write it, renaming it when done: transformers
 # 4.36-4.37 and Orbax. ORCHESTRATOR_CHECKPOINT_TEMPORARY_PATTERNS adds more.
@@ -27,11 +36,14 @@ class EntryKind(str, enum.Enum):
     HIDDEN = "hidden"  # a name starting with '.': being written, by convention; ignored
     TEMPORARY = "temporary"  # a known writer's temporary name: ignored until renamed
     LINK = "link"  # a symbolic link: never followed (it may point anywhere on the node)
-    FILE = "file"  # not a directory: a checkpoint is a directory
+    FILE = "file"  # a regular file: one of the top-level checkpoint's files (TOP_LEVEL)
+    SPECIAL = "special"  # a socket, FIFO or device: nothing to upload
+    TAKEN = "taken"  # a directory named as the job's top-level checkpoint was, after it was
 
 
 def top_level(root: Path, extra_patterns: Iterable[str] = ()) -> dict[str, EntryKind]:
-    """Every entry directly under `root`, by kind; empty if `root` does not exist."""
+    """Every entry directly under `root`, by kind; empty if `root` does not exist. The
+    completion marker at the top is HIDDEN: it marks the top-level files, it is none of them."""
     patterns = (*TEMPORARY_PATTERNS, *extra_patterns)
     kinds: dict[str, EntryKind] = {}
     try:
@@ -42,12 +54,14 @@ def top_level(root: Path, extra_patterns: Iterable[str] = ()) -> dict[str, Entry
         try:
             if entry.is_symlink():
                 kind = EntryKind.LINK
-            elif not entry.is_dir(follow_symlinks=False):
-                kind = EntryKind.FILE
-            elif entry.name.startswith("."):
-                kind = EntryKind.HIDDEN
             elif any(fnmatch.fnmatchcase(entry.name, p) for p in patterns):
                 kind = EntryKind.TEMPORARY
+            elif entry.is_file(follow_symlinks=False):
+                kind = EntryKind.HIDDEN if entry.name == COMPLETE_MARKER else EntryKind.FILE
+            elif not entry.is_dir(follow_symlinks=False):
+                kind = EntryKind.SPECIAL
+            elif entry.name.startswith("."):
+                kind = EntryKind.HIDDEN
             else:
                 kind = EntryKind.CHECKPOINT
         except FileNotFoundError:
@@ -120,15 +134,24 @@ def open_for_writing(directory: Path) -> set[str]:
 def earlier_checkpoints(directory: Path) -> dict[str, str]:
     """What a reused checkpoint directory holds as a job starts: name -> fingerprint.
 
-    Which checkpoints are an earlier job's is decided from this, never from file times.
+    Which checkpoints are an earlier job's is decided from this, never from file times. The
+    top-level files are one, under the name the uploader gives them from the same listing.
     """
     found = {}
-    for name, kind in top_level(directory).items():
+    entries = top_level(directory)
+    for name, kind in entries.items():
         if kind == EntryKind.CHECKPOINT:
             try:
                 found[name] = snapshot(directory / name).fingerprint
             except FileNotFoundError:
                 continue
+    if EntryKind.FILE in entries.values():
+        with contextlib.suppress(FileNotFoundError):
+            top = top_snapshot(directory, TEMPORARY_PATTERNS)
+            if top.files:
+                found[top_level_name(n for n, k in entries.items() if k != EntryKind.FILE)] = (
+                    top.fingerprint
+                )
     return found
 
 

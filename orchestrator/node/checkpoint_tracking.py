@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.node.checkpoint_places import CheckpointPlaces
 from orchestrator.node.checkpoint_rules import (
     TEMPORARY_PATTERNS,
     EntryKind,
@@ -31,7 +32,9 @@ SETTLED = "settled"
 WRITER_DONE = "its writer exited cleanly"
 
 IGNORED_WHY = {
-    EntryKind.FILE: "a file at the top of $BT_CHECKPOINT_DIR: a checkpoint is a directory",
+    EntryKind.SPECIAL: "a socket, FIFO or device, not a file: nothing to upload",
+    EntryKind.TAKEN: "a directory with the name the files at the top of $BT_CHECKPOINT_DIR have "
+    "as their checkpoint in this job: rename it",
     EntryKind.LINK: "a symbolic link at the top of $BT_CHECKPOINT_DIR is not followed",
     EntryKind.TEMPORARY: "a writer's temporary directory, never renamed into place",
 }
@@ -54,6 +57,7 @@ class Tracked:
     failed_said: str | None = None  # the kind of failure last said: each kind is said once
     restored: str | None = None  # the fingerprint of the stored version restored here
     gone: str | None = None  # deleted locally before it was stored: why it is not
+    cut_off: str | None = None  # `seen`, cut off by its writer's end, is kept off a whole version
     said: set[str] = field(default_factory=set)
 
 
@@ -73,6 +77,10 @@ class CheckpointTracker:
         self, rank: int, local_dir: Path, settings: UploadSettings, say: Callable[[str], None]
     ) -> None:
         self.rank, self.local_dir, self.settings, self.say = rank, local_dir, settings, say
+        # Each checkpoint's files by name: a directory's, or the top-level files' (places.top).
+        self.places = CheckpointPlaces(
+            local_dir, (*TEMPORARY_PATTERNS, *settings.temporary_patterns)
+        )
         self.earlier: dict[str, str] = {}  # an earlier job's: name -> fingerprint at the start
         self.tracked: dict[str, Tracked] = {}
         self.ignored: dict[str, EntryKind] = {}  # present now, not checkpoints
@@ -146,6 +154,8 @@ class CheckpointTracker:
         seen = t.seen
         if seen is None or seen.marker_ns is not None or unfinished(name, seen, self.rank):
             return None
+        if self.places.is_top(name):
+            return None  # files overwritten in place, not a series
         if self.open_when_followed.get(name, -1) >= t.changed_scan:
             return None
         for newer, sighting in sorted(self.sightings.items()):
@@ -158,6 +168,55 @@ class CheckpointTracker:
             ):
                 return newer
         return None
+
+    def keep_stored(self, name: str, t: Tracked, why: str) -> None:
+        """Content cut off by its writer's end (`why`) never replaces a complete stored version
+        (files rewritten in place, as nanoGPT's ckpt.pt is): that version stays the one to
+        resume from, and this content is set aside before a retry."""
+        assert t.stored is not None and t.seen is not None
+        version = t.stored.version or 1
+        t.cut_off = (
+            f"changed after version {version} was stored, then {why}: version {version} stays "
+            "stored, and what was written after it is not uploaded"
+        )
+        self.once(t, f"cut off {t.seen.fingerprint}", f"checkpoint {name} {t.cut_off}")
+
+    def to_set_aside(
+        self, number: int, newer: set[str], resume: str | None
+    ) -> list[tuple[str, str, Tracked | None]]:
+        """What to move out of the directory before attempt `number`, and why: checkpoints not
+        complete when the last attempt ended, the resume point's own name if it changed since
+        the version resumed from was stored, those `newer` than the resume point, and other
+        ranks' copies restored for an earlier attempt. (name, why, its Tracked or None)."""
+        aside: list[tuple[str, str, Tracked | None]] = []
+        for name, t in self.tracked.items():
+            if not self.exists(name):
+                continue
+            current = self.is_current(t)
+            if name == resume:
+                if t.stored is None or t.seen is None or current:
+                    continue
+                why = (f"it changed after version {t.stored.version or 1}, the one attempt "
+                       f"{number} resumes from, was stored")  # fmt: skip
+            elif name in newer:
+                why = f"it is newer than {resume}, the last checkpoint every rank stored"
+                if resume is None:
+                    why = "the job starts again: no checkpoint is one every rank can resume from"
+            elif not (t.stored.complete if t.stored is not None and current else t.ready):
+                if t.seen is not None and not t.seen.files:
+                    continue  # an empty directory made first: the trainer fills it later
+                stored = "not stored"
+                if t.stored is not None:
+                    stored = (f"version {t.stored.version or 1}, from before, stays stored"
+                              if t.cut_off else "stored as INCOMPLETE")  # fmt: skip
+                why = f"it was not complete when the last attempt ended ({stored})"
+            else:
+                continue
+            aside.append((name, why, t))
+        for name, (_, whose) in self.restored.items():
+            if name != resume and self.exists(name):
+                aside.append((name, f"a copy of {whose} restored for an earlier attempt", None))
+        return aside
 
     def waiting(self) -> list[Tracked]:
         """Checkpoints not stored as they are that are complete, failed to upload, or quiet for
@@ -180,13 +239,14 @@ class CheckpointTracker:
         self.notice_vanished(vanished)
         self.ignored = {n: k for n, k in self.ignored.items() if entries.get(n) == k}
         for name, kind in entries.items():
-            if kind not in (EntryKind.CHECKPOINT, EntryKind.HIDDEN):
+            if kind not in (EntryKind.CHECKPOINT, EntryKind.HIDDEN, EntryKind.FILE):
                 self.ignore(name, kind)
         self.notice_deleted(entries)
 
     def notice_new(self, entries: dict[str, EntryKind]) -> None:
         """Note each of this job's checkpoints the first time it is listed (for `followed`),
-        and which earlier ones of its series then have a file held open for writing."""
+        and which earlier ones of its series then have a file held open for writing. The
+        top-level files are in no series."""
         listed = {n for n, k in entries.items() if k == EntryKind.CHECKPOINT}
         self.sightings = {n: s for n, s in self.sightings.items() if n in listed}
         new = []
@@ -209,9 +269,7 @@ class CheckpointTracker:
         """Those of `names` with a file some process holds open for writing."""
         if self.open_writers is None:
             self.open_writers = open_for_writing(self.local_dir)
-        top = f"{os.path.realpath(self.local_dir)}{os.sep}"
-        held = {p[len(top) :].split(os.sep, 1)[0] for p in self.open_writers if p.startswith(top)}
-        return held & names
+        return {self.places.owner(p) for p in self.open_writers} & names
 
     def notice_vanished(self, names: set[str]) -> None:
         """Checkpoints made and deleted between two scans (seen only by inotify)."""
@@ -227,8 +285,9 @@ class CheckpointTracker:
             self.say(f"{name} was {t.gone}")
 
     def notice_deleted(self, entries: dict[str, EntryKind]) -> None:
+        present = set(self.places.checkpoints(entries)) | entries.keys() - {self.places.top}
         for name, t in self.tracked.items():
-            if name in entries or t.gone or t.stored is not None or t.seen is None:
+            if name in present or t.gone or t.stored is not None or t.seen is None:
                 continue
             t.gone = "deleted by the job before it was uploaded"
             self.say(f"{name} was {t.gone}")
@@ -238,7 +297,7 @@ class CheckpointTracker:
             return
         self.ignored[name] = kind
         if kind != EntryKind.TEMPORARY:  # temporaries are expected while a writer works
-            self.say(f"ignoring {name}: {IGNORED_WHY[kind]}")
+            self.say(f"ignoring {_shown(name, kind)}: {IGNORED_WHY[kind]}")
 
     def once(self, t: Tracked, key: str, message: str) -> None:
         if key not in t.said:
@@ -246,14 +305,16 @@ class CheckpointTracker:
             self.say(message)
 
     def notice_writing(self, entries: dict[str, EntryKind], appeared: set[str], at: float) -> None:
-        """Whether the rank has written anything here yet: any entry (a file, a hidden or
-        temporary directory too), or one seen come and go, but an earlier job's checkpoint and
-        another rank's restored copy. While nothing is and the commands run, the quiet spell
-        reaches `at` (when the listing began)."""
+        """Whether the rank has written anything here yet: any entry (a file at the top, a
+        hidden or temporary directory too), or one seen come and go, but an earlier job's
+        checkpoint and another rank's restored copy (top-level files among them as one). While
+        nothing is and the commands run, the quiet spell reaches `at` (the listing's start)."""
         if self.wrote is not None:
             return
         theirs = self.earlier.keys() | self.restored.keys()
-        ours = sorted((entries.keys() | appeared | self.tracked.keys()) - theirs)
+        top_theirs = self.places.top in theirs
+        listed = {n for n, k in entries.items() if k != EntryKind.FILE or not top_theirs}
+        ours = sorted((listed | appeared | self.tracked.keys()) - theirs)
         if ours:
             self.wrote = (ours[0], at)
         elif self.writer_end is None and self.quiet_since is not None:
@@ -292,8 +353,8 @@ class CheckpointTracker:
         for name, t in sorted(self.tracked.items()):
             entries.append(self._entry(name, t))
         for name, kind in sorted(self.ignored.items()):
-            entries.append(CheckpointEntry(rank=self.rank, name=name, state="ignored",
-                                           reason=IGNORED_WHY[kind]))  # fmt: skip
+            entries.append(CheckpointEntry(rank=self.rank, name=_shown(name, kind),
+                                           state="ignored", reason=IGNORED_WHY[kind]))  # fmt: skip
         return entries
 
     def _entry(self, name: str, t: Tracked) -> CheckpointEntry:
@@ -307,6 +368,8 @@ class CheckpointTracker:
             entry.reason = stored.incomplete_reason
         elif not self.exists(name):
             entry.state, entry.reason = "deleted", t.gone or "deleted by the job"
+        elif t.cut_off is not None:
+            entry.state, entry.reason = "incomplete", t.cut_off
         elif emptied:
             entry.state, entry.reason = "ignored", "an empty directory: nothing to upload"
         elif t.failed:
@@ -321,4 +384,9 @@ class CheckpointTracker:
         return entry
 
     def exists(self, name: str) -> bool:
-        return (self.local_dir / name).is_dir()
+        return self.places.exists(name)
+
+
+def _shown(name: str, kind: EntryKind) -> str:
+    """A directory that has the top-level checkpoint's name is told apart from it: `name/`."""
+    return f"{name}/" if kind == EntryKind.TAKEN else name

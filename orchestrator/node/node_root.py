@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator import settings
-from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS
+from orchestrator.storage.local_checkpoint import EARLIER_CHECKPOINTS, TOP_LEVEL_NAME
 
 NODE_ROOT_ENV = settings.NODE_ROOT.name
 
@@ -27,6 +27,7 @@ RANK_DIR: tuple[tuple[str, str], ...] = (
     ("cache/", "the training cache's links for the default mount_base_path (mount_caches)"),
     ("set-aside/attempt-<a>/<name>/", "checkpoints moved aside before a retry (the uploader)"),
     (EARLIER_CHECKPOINTS, "what the checkpoint directory held before the job (NodePreparer)"),
+    (TOP_LEVEL_NAME, "the name its top-level files have as a checkpoint (the uploader)"),
     ("workspace.tar", "the downloaded archive, while prepare unpacks it (NodePreparer)"),
     ("failed", "container runtime: the failed command and memory kills (the container's shell)"),
     ("oom", "container runtime: left by podman's conmon after a kill for memory"),
@@ -102,6 +103,11 @@ class RankDirs:
     def earlier_checkpoints(self) -> Path:
         """What the checkpoint directory held before the job: not the job's to upload."""
         return self.base / _declared(EARLIER_CHECKPOINTS)
+
+    @property
+    def top_level_name(self) -> Path:
+        """The name the uploader gave the files at the top of the checkpoint directory."""
+        return self.base / _declared(TOP_LEVEL_NAME)
 
     @property
     def archive(self) -> Path:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator import settings
 from orchestrator.errors import ConfigError, UnsupportedFeatureError
-from orchestrator.storage.local_checkpoint import LocalFile, Snapshot, snapshot
+from orchestrator.storage.local_checkpoint import LocalFile, Snapshot, snapshot, top_snapshot
 from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.retry import describe
 from orchestrator.storage.root import StorageRoot
@@ -57,6 +57,8 @@ class Manifest(BaseModel):
     complete: bool = True
     incomplete_reason: str | None = None
     source: str | None = None  # fingerprint of the local directory it was uploaded from
+    # Its files were the top-level files of $BT_CHECKPOINT_DIR: a retry restores them there.
+    top_level: bool = False
 
     @property
     def key(self) -> str:
@@ -158,8 +160,11 @@ class CheckpointStore:
         seen: Snapshot | None = None,
         replaces: Manifest | None = None,
         incomplete_reason: str | None = None,
+        name: str | None = None,
+        top_level: bool = False,
     ) -> Manifest:
         """Upload a local checkpoint as a new version, files in parallel, then commit it.
+        `name`: the checkpoint's, `local_dir.name` unless given (the top-level files').
 
         `seen` is the snapshot judged complete (default: taken now); the files uploaded are
         exactly its files, and one that changed or vanished since raises CheckpointChanged with
@@ -167,8 +172,8 @@ class CheckpointStore:
         see `replaces` (the version stored before), whose files are removed once it is replaced.
         """
         settings = settings or UploadSettings()
-        seen = seen or snapshot(local_dir)
-        name = local_dir.name
+        seen = seen or (top_snapshot(local_dir) if top_level else snapshot(local_dir))
+        name = name or local_dir.name
         version = (replaces.version or 0) + 1 if replaces is not None else 1
         base = files_dir(project, job_id, rank, name, version)
         throttle = _Throttle(settings.bandwidth_mbps)
@@ -187,7 +192,7 @@ class CheckpointStore:
             size_bytes=sum(f.size for f in files), created_at=time.time(),
             checkpoint_type=kind, lora_rank=lora_rank, version=version,
             complete=incomplete_reason is None, incomplete_reason=incomplete_reason,
-            source=seen.fingerprint,
+            source=seen.fingerprint, top_level=top_level,
         )  # fmt: skip
         self._commit(manifest)
         if replaces is not None:

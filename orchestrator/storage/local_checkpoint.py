@@ -5,12 +5,17 @@ when it was seen, so an upload can tell a file that changed underneath it. Symbo
 judged here, once: a link to a file inside the checkpoint stands for that file; any other link
 (pointing outside, to a directory, or nowhere) is skipped with the reason, never followed.
 The completion marker is noted and left out of the files.
+
+The regular files directly in `$BT_CHECKPOINT_DIR` (nanoGPT's `ckpt.pt`, `save_pretrained` into
+it) are one checkpoint of their own, named TOP_LEVEL: `top_snapshot` is theirs.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +23,23 @@ from pathlib import Path
 COMPLETE_MARKER = ".orchestrator-complete"
 # In a rank's job directory on its node: what its checkpoint directory held before the job.
 EARLIER_CHECKPOINTS = "checkpoints-before.json"
+# Beside it: the name the uploader gave the top-level files (a restarted one gives the same).
+TOP_LEVEL_NAME = "top-level-name"
+# The checkpoint made of the files at the top of $BT_CHECKPOINT_DIR (another name only where a
+# directory there has this one: top_level_name).
+TOP_LEVEL = "top-level"
+_TOP_LEVEL_ELSE = ("top-level-files", "files-at-the-top")
+
+
+def top_level_name(taken: Iterable[str]) -> str:
+    """The name for the top-level files' checkpoint that no entry in `taken` (the directory's
+    other entries) has."""
+    taken = set(taken)
+    for name in (TOP_LEVEL, *_TOP_LEVEL_ELSE):
+        if name not in taken:
+            return name
+    return next(f"top-level-files-{n}" for n in range(2, len(taken) + 3)
+                if f"top-level-files-{n}" not in taken)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -67,8 +89,9 @@ class Snapshot:
 
 
 def mark_checkpoint_complete(directory: str | os.PathLike[str]) -> Path:
-    """Say a checkpoint directory under `$BT_CHECKPOINT_DIR` is whole: its upload starts now,
-    with no settle wait. Call it after its last file is written and closed.
+    """Say a checkpoint directory under `$BT_CHECKPOINT_DIR` is whole (or, given
+    `$BT_CHECKPOINT_DIR` itself, the files at its top): its upload starts now, with no settle
+    wait. Call it after its last file is written and closed.
 
     It writes the marker file `.orchestrator-complete` (never uploaded). A file written into
     the checkpoint after it makes the checkpoint incomplete again until it is marked anew.
@@ -117,6 +140,31 @@ def snapshot(directory: Path) -> Snapshot:
                 continue
     files.sort(key=lambda f: f.rel)
     return Snapshot(top.st_ino, tuple(files), tuple(sorted(links)), marker_ns)
+
+
+def top_snapshot(directory: Path, temporary: Iterable[str] = ()) -> Snapshot:
+    """The regular files directly in `directory` (hidden ones too: torch.distributed.checkpoint's
+    `.metadata`), not links and not names matching `temporary`; rel is the file's name.
+    Raises FileNotFoundError if `directory` is gone."""
+    top = os.stat(directory, follow_symlinks=False)
+    patterns = tuple(temporary)
+    files: list[LocalFile] = []
+    marker_ns = None
+    for entry in os.scandir(directory):
+        if any(fnmatch.fnmatchcase(entry.name, p) for p in patterns):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if entry.name == COMPLETE_MARKER:
+            marker_ns = st.st_mtime_ns
+        else:
+            files.append(LocalFile(entry.name, entry.path, st.st_size, st.st_mtime_ns, st.st_ino))
+    files.sort(key=lambda f: f.rel)
+    return Snapshot(top.st_ino, tuple(files), (), marker_ns)
 
 
 def _linked_file(path: str, rel: str, real_top: str) -> LocalFile | str:
