@@ -287,3 +287,32 @@ def test_hidden_files_at_the_top_are_part_of_it(tmp_path, hidden):
     (manifest,) = CheckpointStore(root).list("p", "j")
     assert [f.path for f in manifest.files] == [hidden, "__0_0.distcp"]
     up.flush(timeout=10, clean=True)
+
+
+def test_a_replacement_node_gets_a_directory_and_the_pointer_at_the_top_that_names_it(
+    tmp_path, monkeypatch
+):
+    """DeepSpeed's layout: `global_step<N>/` and `latest` (the tag `load_checkpoint` reads) at
+    the top. Rank 0's node was lost: its new uploader restores both, so the resumed trainer
+    finds `latest` and the directory it names."""
+    monkeypatch.setenv(NODE_ROOT_ENV, str(tmp_path / "node"))
+    root = StorageRoot(tmp_path / "root")
+    store = CheckpointStore(root)
+    lost = tmp_path / "lost"
+    first = uploader(root, lost, settle_s=0)
+    (lost / "global_step20").mkdir()
+    (lost / "global_step20" / "mp_rank_00_model_states.pt").write_bytes(b"step 20")
+    mark_checkpoint_complete(lost / "global_step20")
+    (lost / "latest").write_text("global_step20")
+    wait_until(lambda: names(root) == ["global_step20", "top-level"], "both stored")
+    first._stop.set()  # gone with its node
+    step, pointer = (store.manifest("p", "j", 0, n) for n in ("global_step20", "top-level"))
+    up = uploader(root, tmp_path / "new", settle_s=0)
+    up.begin_attempt(1, step, [], pointer)
+    new = tmp_path / "new"
+    assert (new / "latest").read_text() == "global_step20"
+    assert (new / "global_step20" / "mp_rank_00_model_states.pt").read_bytes() == b"step 20"
+    scanned(up)
+    result = up.flush(timeout=10, clean=True)
+    assert states(result) == {"global_step20": "uploaded", "top-level": "uploaded"}
+    assert store.manifest("p", "j", 0, "top-level").version == 1, "not stored again"

@@ -81,6 +81,26 @@ def test_the_latest_of_a_named_job_is_its_newest_complete_checkpoint_on_every_ra
     ]
 
 
+def test_files_at_the_top_are_the_latest_unless_they_only_keep_a_trainers_books(cluster):
+    """Ray Train rewrites its checkpoint manager's snapshot at the top after each report, so
+    it is stored last: "latest" is still the checkpoint it lists, not the snapshot. Files at
+    the top that are a model (save_pretrained after the last checkpoint) are the latest."""
+    earlier = cluster.job("jold")
+    cluster.checkpoint(earlier, "checkpoint_000001", ranks=(0,))
+    top = cluster.tmp / "top"
+    top.mkdir()
+    (top / "checkpoint_manager_snapshot.json").write_text("{}")
+    store = CheckpointStore(cluster.root)
+    store.upload(top, earlier.project_key, "jold", 0, name="top-level", top_level=True)
+    record = cluster.job("jnew", [d.BasetenCheckpoint.from_latest_checkpoint(job_id="jold")])
+    assert loaded(resolve_checkpoints(record, cluster.store)) == [("jold", 0, "checkpoint_000001")]
+    (top / "model.safetensors").write_bytes(b"weights")
+    replaces = store.manifest(earlier.project_key, "jold", 0, "top-level")
+    store.upload(top, earlier.project_key, "jold", 0, name="top-level", top_level=True,
+                 replaces=replaces)  # fmt: skip
+    assert loaded(resolve_checkpoints(record, cluster.store)) == [("jold", 0, "top-level")]
+
+
 def test_the_latest_of_a_project_comes_from_its_newest_job_with_a_complete_one(cluster):
     first = cluster.job("jfirst")
     cluster.checkpoint(first, "checkpoint-50")

@@ -259,3 +259,42 @@ def test_reports_merge_spell_by_spell_and_keep_the_first_write():
         ".tmp",
         ".tmp",
     )
+
+
+def top(rank: int, at: float, same: bool = False) -> Manifest:
+    """Rank `rank`'s files at the top of its checkpoint directory (DeepSpeed's `latest`)."""
+    return ckpt(rank, "top-level", at, same=same).model_copy(update={"top_level": True})
+
+
+def test_the_files_at_the_top_come_with_the_directory_resumed_from():
+    """DeepSpeed saves `global_step<N>/` and then rewrites `latest` (the tag to load) at the top:
+    the resume point is the newest directory, and `latest` comes back beside it, or the trainer
+    finds no tag to load on a replacement node."""
+    manifests = [
+        ckpt(0, "global_step100", 10), top(0, 11),
+        ckpt(0, "global_step200", 20), top(0, 21),
+    ]  # fmt: skip
+    point = resume_point(manifests, {1: quiet(1, 0, 30)}, ranks=2)
+    assert point.name == "global_step200", point.why
+    assert copies(point) == {0: "rank-0/global_step200", 1: "rank-0/global_step200"}
+    assert {r: f"rank-{m.node_rank}/{m.name}" for r, m in point.top.items()} == {
+        0: "rank-0/top-level",
+        1: "rank-0/top-level",
+    }
+    assert point.newer == {0: []}, "the files at the top are kept, not set aside"
+    assert point.why.endswith("; with the files at the top (top-level)")
+
+
+def test_the_files_at_the_top_alone_are_the_point_of_a_job_that_saves_nothing_else():
+    point = resume_point([top(0, 10)], {1: quiet(1, 0, 30)}, ranks=2)
+    assert point.name == "top-level" and point.top == {}
+    assert copies(point) == {0: "rank-0/top-level", 1: "rank-0/top-level"}
+
+
+def test_starting_again_sets_the_files_at_the_top_aside_too():
+    """Per-rank state with rank 1 lost before its first save: nothing is resumed, so no rank
+    keeps a `latest` that names a directory it no longer has."""
+    manifests = [ckpt(0, "global_step100", 10), top(0, 11)]
+    point = resume_point(manifests, {1: wrote(1, ".tmp-global_step100", 9.5)}, ranks=2)
+    assert point.name is None, point.why
+    assert point.newer == {0: ["global_step100", "top-level"]}

@@ -161,21 +161,26 @@ class CheckpointUploader:
             retry.give_up_at = None
         return UploaderFlush(self.tracker.entries(), self.events, self.tracker.writes())
 
-    def begin_attempt(self, number: int, resume: Manifest | None, newer: list[str]) -> None:
+    def begin_attempt(
+        self, number: int, resume: Manifest | None, newer: list[str], top: Manifest | None = None
+    ) -> None:
         """Before attempt `number` starts, put this rank at the job's resume point: set aside
         what the last attempt left unfinished, the `newer` checkpoints (those other ranks lack,
         or all when the job starts again) and copies restored for an earlier attempt, so a
         trainer resuming from its newest checkpoint finds the one every rank has; and restore
         `resume` (this rank's copy, or a shared one: controller/resume_point.py) if it is not
-        here. What the rank writes from now on is this attempt's (`tracker.writes`)."""
+        here, and `top`, the files at the top that come with a directory `resume`, likewise.
+        What the rank writes from now on is this attempt's (`tracker.writes`)."""
         if not self._started.wait(60):
             raise TimeoutError(f"rank {self.rank}'s checkpoint uploader is not watching")
         with self._lock:
             self._attempt = number
             self.tracker.writer_end = None
-            self._set_aside(number, set(newer), resume.name if resume else None)
-            if resume is not None and not self.tracker.exists(resume.name):
-                self._restore(number, resume)
+            kept = tuple(m.name for m in (resume, top) if m is not None)
+            self._set_aside(number, set(newer), kept)
+            for chosen in (resume, top):
+                if chosen is not None and not self.tracker.exists(chosen.name):
+                    self._restore(number, chosen)
             self.tracker.new_watch()
 
     def _restore(self, number: int, chosen: Manifest) -> None:
@@ -194,12 +199,13 @@ class CheckpointUploader:
             f"{number}: {len(chosen.files)} files, {chosen.size_bytes / 1e6:.1f} MB"
         )
 
-    def _set_aside(self, number: int, newer: set[str], resume: str | None) -> None:
+    def _set_aside(self, number: int, newer: set[str], kept: tuple[str, ...]) -> None:
         """Move out of the directory, to `set-aside/attempt-<number>/` in the rank's (kept on the
         node; their stored copies stay): checkpoints not stored complete (an interrupted
         save), those newer than the job's resume point, and other ranks' copies restored for
         an earlier attempt (the resume point may have moved back)."""
-        aside = self.tracker.to_set_aside(number, newer, resume)
+        aside = self.tracker.to_set_aside(number, newer, kept)
+        resume = kept[0] if kept else None
         for name, why, tracked in aside:
             place = self.dirs.set_aside(number) / name
             self.tracker.places.move(name, place)

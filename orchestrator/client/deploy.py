@@ -202,10 +202,10 @@ def plan_from(
 
 def servable(job: JobHandle) -> list[Manifest]:
     """The job's complete checkpoints, one per name (rank 0's, else the lowest rank's), newest
-    first: what the wizard lists."""
+    first: what the wizard lists (a trainer's books kept at the top are no model)."""
     by_name: dict[str, Manifest] = {}
     for m in sorted(job.checkpoints(), key=lambda m: m.node_rank, reverse=True):
-        if m.complete:
+        if m.complete and not m.bookkeeping:
             by_name[m.name] = m
     return sorted(by_name.values(), key=lambda m: m.created_at, reverse=True)
 

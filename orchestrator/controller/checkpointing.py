@@ -109,8 +109,12 @@ def _latest(
         candidates = sorted(jobs, key=lambda r: r.created_at, reverse=True)
         scope = f"project {project!r}"
     for job in candidates:
-        # An incomplete checkpoint (its writer died before it was whole) is never "latest".
-        manifests = [m for m in checkpoints.list(job.project_key, job.job_id) if m.complete]
+        # An incomplete checkpoint (its writer died before it was whole) is never "latest", nor
+        # a trainer's books of its checkpoints kept at the top (`bookkeeping`).
+        manifests = [
+            m for m in checkpoints.list(job.project_key, job.job_id)
+            if m.complete and not m.bookkeeping
+        ]  # fmt: skip
         if manifests:
             newest = max(manifests, key=lambda m: m.created_at).name
             return [m for m in manifests if m.name == newest]
@@ -259,7 +263,9 @@ class Uploaders:
             _line(f"attempt {number} resumes from {point.name or 'the start'}: {point.why}")
         )
         refs = [
-            actor.begin_attempt.remote(number, point.copies.get(rank), point.newer.get(rank, []))
+            actor.begin_attempt.remote(
+                number, point.copies.get(rank), point.newer.get(rank, []), point.top.get(rank)
+            )
             for rank, actor in enumerate(self.actors)
         ]
         pending = list(refs)

@@ -19,7 +19,7 @@ written and uploaded. A rank lost before then is not known either way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from orchestrator.node.rank_writes import RankWrites
 from orchestrator.storage.checkpoints import Manifest
@@ -50,6 +50,9 @@ class ResumePoint:
     copies: dict[int, Manifest]  # rank -> the copy it resumes from: its own, or a shared one
     newer: dict[int, list[str]]  # rank -> its checkpoints newer than `name` (all, from the start)
     why: str
+    # rank -> the files at the top restored beside `name`, a directory (DeepSpeed's `latest`
+    # pointer, Ray Train's snapshot: what a trainer reads to find the directory)
+    top: dict[int, Manifest] = field(default_factory=dict)
 
 
 def role(rank: int, manifests: list[Manifest], writes: RankWrites | None) -> Role:
@@ -76,13 +79,37 @@ def resume_point(
     manifests: list[Manifest], writes: dict[int, RankWrites], ranks: int
 ) -> ResumePoint:
     """The checkpoint attempt n+1 resumes from, each rank's copy of it, and what each rank
-    sets aside; `writes`: each rank's RankWrites, `ranks`: the group's size."""
+    sets aside; `writes`: each rank's RankWrites, `ranks`: the group's size. Where the job has
+    directory checkpoints, the point is one of them and the files at the top (a top-level
+    manifest) come with it, as each rank has them; they are the point alone only in a job
+    that saves nothing else (nanoGPT's `ckpt.pt`)."""
+    every = sorted(set(range(ranks)) | {m.node_rank for m in manifests})
+    roles = {r: role(r, manifests, writes.get(r)) for r in every}
+    dirs = [m for m in manifests if not m.top_level]
+    if not any(m.complete for m in dirs):
+        return _point(manifests, roles, every, ranks)
+    point = _point(dirs, roles, every, ranks)
+    tops = {m.node_rank: m for m in manifests if m.top_level and m.complete}
+    if not tops:
+        return point
+    if point.name is None:
+        newer = dict(point.newer)
+        for r, m in tops.items():
+            newer[r] = [*newer.get(r, []), m.name]
+        return replace(point, newer=newer)
+    # A rank given another rank's copy (shared checkpoints) gets that rank's files too.
+    top = {r: tops[c.node_rank] for r, c in point.copies.items() if c.node_rank in tops}
+    with_top = f"; with the files at the top ({next(iter(tops.values())).name})" if top else ""
+    return replace(point, top=top, why=point.why + with_top)
+
+
+def _point(
+    manifests: list[Manifest], roles: dict[int, Role], every: list[int], ranks: int
+) -> ResumePoint:
     complete: dict[int, dict[str, Manifest]] = {}
     for m in sorted(manifests, key=lambda m: (m.created_at, m.node_rank)):
         if m.complete:
             complete.setdefault(m.node_rank, {})[m.name] = m
-    every = sorted(set(range(ranks)) | {m.node_rank for m in manifests})
-    roles = {r: role(r, manifests, writes.get(r)) for r in every}
     writers = [r for r in every if roles[r].writes]
     unknown = [r for r in every if roles[r].writes is None]
     silent = [r for r in every if roles[r].writes is False]

@@ -182,18 +182,20 @@ class CheckpointTracker:
         self.once(t, f"cut off {t.seen.fingerprint}", f"checkpoint {name} {t.cut_off}")
 
     def to_set_aside(
-        self, number: int, newer: set[str], resume: str | None
+        self, number: int, newer: set[str], kept: tuple[str, ...]
     ) -> list[tuple[str, str, Tracked | None]]:
         """What to move out of the directory before attempt `number`, and why: checkpoints not
-        complete when the last attempt ended, the resume point's own name if it changed since
-        the version resumed from was stored, those `newer` than the resume point, and other
-        ranks' copies restored for an earlier attempt. (name, why, its Tracked or None)."""
+        complete when the last attempt ended, a name resumed from (`kept`: the resume point's,
+        then the files at the top that come with it) if it changed since the version resumed
+        from was stored, those `newer` than the resume point, and other ranks' copies restored
+        for an earlier attempt. (name, why, its Tracked or None)."""
+        resume = kept[0] if kept else None
         aside: list[tuple[str, str, Tracked | None]] = []
         for name, t in self.tracked.items():
             if not self.exists(name):
                 continue
             current = self.is_current(t)
-            if name == resume:
+            if name in kept:
                 if t.stored is None or t.seen is None or current:
                     continue
                 why = (f"it changed after version {t.stored.version or 1}, the one attempt "
@@ -214,7 +216,7 @@ class CheckpointTracker:
                 continue
             aside.append((name, why, t))
         for name, (_, whose) in self.restored.items():
-            if name != resume and self.exists(name):
+            if name not in kept and self.exists(name):
                 aside.append((name, f"a copy of {whose} restored for an earlier attempt", None))
         return aside
 

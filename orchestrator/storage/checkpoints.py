@@ -68,8 +68,21 @@ class Manifest(BaseModel):
     def files_dir(self) -> str:
         return files_dir(self.project, self.job_id, self.node_rank, self.name, self.version)
 
+    @property
+    def bookkeeping(self) -> bool:
+        """Files at the top that only keep a trainer's books of its directory checkpoints (Ray
+        Train's checkpoint manager, DeepSpeed's `latest` tag): stored, since a resumed run
+        reads them, but never a job's "latest" checkpoint to load, nor a model to deploy."""
+        return self.top_level and bool(self.files) and {f.path for f in self.files} <= BOOKKEEPING
+
 
 _ENV = "ORCHESTRATOR_CHECKPOINT_"
+# What trainers write at the top of a checkpoint directory about the checkpoints in it: Ray
+# Train (`checkpoint_manager_snapshot.json`, the storage check's marker) and DeepSpeed (`latest`,
+# the tag to load, and the `zero_to_fp32.py` it copies beside its checkpoints).
+BOOKKEEPING = frozenset(
+    {"checkpoint_manager_snapshot.json", ".validate_storage_marker", "latest", "zero_to_fp32.py"}
+)
 
 
 class UploadSettings(BaseModel):
