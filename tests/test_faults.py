@@ -108,7 +108,8 @@ def faults(orchestrator_home, s3_server, tmp_path_factory) -> Iterator[FaultClus
         cluster.shutdown()
 
 
-def gang(directory: Path, steps: int, step_s: float, weights: str = "[]") -> Path:
+def two_node_job(directory: Path, script: str, args: str, weights: str = "[]") -> Path:
+    """A 2-node job with checkpointing that runs `python train.py <args>` (`script`)."""
     return make_job(
         directory,
         f"""
@@ -121,15 +122,19 @@ def gang(directory: Path, steps: int, step_s: float, weights: str = "[]") -> Pat
                     node_count=2, cpu_count=1, memory="512Mi", accelerator="H100:2"
                 ),
                 runtime=definitions.Runtime(
-                    start_commands=["python train.py {steps} {step_s}"],
+                    start_commands=["python train.py {args}"],
                     checkpointing_config=definitions.CheckpointingConfig(enabled=True),
                 ),
                 weights={weights},
             ),
         )
         """,
-        {"train.py": TRAIN},
+        {"train.py": script},
     )
+
+
+def gang(directory: Path, steps: int, step_s: float, weights: str = "[]") -> Path:
+    return two_node_job(directory, TRAIN, f"{steps} {step_s}", weights)
 
 
 def lines_of(job: JobHandle, rank: int) -> list[str]:

@@ -6,11 +6,13 @@ nodes, whose workers run inside the job's own placement group while its agents h
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import pytest
 from controller_fakes import in_process_controller
 from pydantic import ValidationError
+from test_cli_checkpoints import cli
 
 from orchestrator import definitions as d
 from orchestrator.agents.rank_program import CommandsProgram, RayTrainProgram, program_for
@@ -114,7 +116,8 @@ def test_a_ray_train_job_gets_the_train_program_whose_agents_hold_none_of_the_bu
 
 SHOW = ("echo RAY_ADDRESS=${RAY_ADDRESS-unset} CALLBACKS=$RAY_TRAIN_CALLBACKS "
         "PG=$ORCHESTRATOR_TRAIN_PG WORKERS=$ORCHESTRATOR_TRAIN_WORKERS "
-        "STATE=$RAY_TRAIN_ENABLE_STATE_TRACKING")  # fmt: skip
+        "STATE=$RAY_TRAIN_ENABLE_STATE_TRACKING "
+        "REPORTS=$ORCHESTRATOR_TRAIN_REPORTS_ROOT")  # fmt: skip
 
 
 def test_rank_0_runs_the_driver_with_trains_variables_the_others_nothing(tmp_path, monkeypatch):
@@ -131,7 +134,7 @@ def test_rank_0_runs_the_driver_with_trains_variables_the_others_nothing(tmp_pat
     rank0 = [line.split("] ", 1)[1] for line in logs if line.startswith("[rank 0 ")]
     # No Ray here, so no cluster address to hand on; on a cluster it is its GCS (below).
     assert rank0 == [f"RAY_ADDRESS=unset CALLBACKS={CALLBACK_PATH} PG=orchestrator-jtrain0001 "
-                     "WORKERS=2 STATE=1"]  # fmt: skip
+                     f"WORKERS=2 STATE=1 REPORTS={(tmp_path / 'storage').resolve()}"]  # fmt: skip
     rank1 = [line.split("] ", 1)[1] for line in logs if line.startswith("[rank 1 ")]
     assert rank1 == ["Ray Train runs from rank 0: this rank runs nothing, its node's share "
                      "stays reserved in the job's placement group for Train's workers"]  # fmt: skip
@@ -155,7 +158,8 @@ def loop(config):
     record = {"group": runtime.get_placement_group_id(), "node": runtime.get_node_id(),
               "gpus": [int(g) for g in ray.get_gpu_ids()]}
     pathlib.Path(config["out"], f"rank-{rank}.json").write_text(json.dumps(record))
-    ray.train.report({"world": int(total.item())})
+    for step in range(3):  # each round is stored with the job: `orchestrator metrics` shows it
+        ray.train.report({"loss": 1.0 / (step + 1), "step": step, "rank": rank})
 
 ray.init()
 result = TorchTrainer(
@@ -208,7 +212,12 @@ def test_a_torch_trainer_job_runs_in_the_jobs_group_with_agents_holding_nothing(
     job = train_job().model_copy(
         update={
             "runtime": d.Runtime(
-                start_commands=["python train.py"], environment_variables={"TRAIN_OUT": str(out)}
+                start_commands=["python train.py"],
+                # Train's controller collects a round at each health check: 2 s by default.
+                environment_variables={
+                    "TRAIN_OUT": str(out),
+                    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+                },
             )
         }
     )
@@ -234,3 +243,24 @@ def test_a_torch_trainer_job_runs_in_the_jobs_group_with_agents_holding_nothing(
         held = {k: v for k, v in agent.required_resources.items() if v}
         # Only the token that puts an actor in its bundle: no CPU, GPU or memory of it.
         assert held and all(k.startswith("bundle_group_") for k in held), held
+
+    # Every round Train collected, rank 0's metrics and those of the workers that differ, kept
+    # with the job; `orchestrator metrics` lists them in a section of their own.
+    (run,) = handle.metrics().train_reports
+    assert [(r.index, r.metrics, r.checkpoint) for r in run.reports] == [
+        (step, {"loss": 1.0 / (step + 1), "step": step, "rank": 0}, None) for step in range(3)
+    ]
+    assert [r.workers for r in run.reports] == [
+        {w: {"loss": 1.0 / (step + 1), "step": step, "rank": w} for w in (1, 2, 3)}
+        for step in range(3)
+    ]
+    shown = cli("metrics", "--job-id", handle.id, "--storage-root", storage_root, "--once")
+    assert shown.returncode == 0, shown.stderr
+    section = shown.stdout[shown.stdout.index("Ray Train reports") :]
+    assert re.search(r"report\s+loss\s+rank\s+step", section), section
+    for step in range(3):
+        assert re.search(rf"\b{step}\s+{1.0 / (step + 1):.4g}\s+0\s+{step}\b", section), section
+    as_json = json.loads(cli("metrics", "--job-id", handle.id, "--storage-root", storage_root,
+                             "-o", "json").stdout)  # fmt: skip
+    losses = [r["metrics"]["loss"] for r in as_json["train_reports"][0]["reports"]]
+    assert losses == [1.0, 0.5, 1.0 / 3]

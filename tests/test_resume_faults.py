@@ -80,36 +80,14 @@ print("done", flush=True)
 """
 
 
-def two_node_job(directory, script: str, args: str):
-    return make_job(
-        directory,
-        f"""
-        from truss_train import definitions
-        project = definitions.TrainingProject(
-            name="faults",
-            job=definitions.TrainingJob(
-                image=definitions.Image(base_image="pytorch/pytorch:2.7.1"),
-                compute=definitions.Compute(
-                    node_count=2, cpu_count=1, memory="512Mi", accelerator="H100:2"
-                ),
-                runtime=definitions.Runtime(
-                    start_commands=["python train.py {args}"],
-                    checkpointing_config=definitions.CheckpointingConfig(enabled=True),
-                ),
-            ),
-        )
-        """,
-        {"train.py": script},
-    )
-
-
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_a_rank_crashed_before_or_during_its_first_save_is_not_resumed_from_another_ranks_state(
     tmp_path, storage_root, faults, when
 ):
     faults.ensure_workers(3)
     go = tmp_path / "go"
-    config = two_node_job(tmp_path / "job", TRAIN, f"{go} 24 {'hold' if when == 'during' else '-'}")
+    args = f"{go} 24 {'hold' if when == 'during' else '-'}"
+    config = test_faults.two_node_job(tmp_path / "job", TRAIN, args)
     job = push(config, address=faults.dashboard_url, storage_root=storage_root, retries=1)
 
     def both_waiting() -> bool:
@@ -161,7 +139,7 @@ def test_a_rank_that_never_writes_gets_the_writers_copy_when_its_node_crashes(
     tmp_path, storage_root, faults
 ):
     faults.ensure_workers(3)
-    config = two_node_job(tmp_path / "job", SHARED, "8")
+    config = test_faults.two_node_job(tmp_path / "job", SHARED, "8")
     job = push(config, address=faults.dashboard_url, storage_root=storage_root, retries=1)
     eventually(lambda: {"checkpoint-2"} <= stored(job, 0), "rank 0's second checkpoint", 90)
     crashed = job.details().nodes[1].node_id
@@ -232,8 +210,8 @@ def test_a_file_overwritten_in_place_resumes_at_its_path_after_a_crash(
     Rank 0's node crashes; the retry finds ckpt.pt at the same path on both ranks, holding the
     last step stored, and continues; a later job loads it."""
     faults.ensure_workers(3)
-    job = push(two_node_job(tmp_path / "job", NANOGPT, "24"), address=faults.dashboard_url,
-               storage_root=storage_root, retries=1)  # fmt: skip
+    config = test_faults.two_node_job(tmp_path / "job", NANOGPT, "24")
+    job = push(config, address=faults.dashboard_url, storage_root=storage_root, retries=1)
 
     def stored_version() -> int:
         top = [m for m in job.checkpoints() if m.name == "top-level" and m.complete]

@@ -17,6 +17,7 @@ JOB_GIVEN = {
     "ORCHESTRATOR_RAY_ADDRESS": "agents/rank_program.py",
     "ORCHESTRATOR_TRAIN_PG": "agents/ray_train_seams.py",
     "ORCHESTRATOR_TRAIN_WORKERS": "agents/ray_train_seams.py",
+    "ORCHESTRATOR_TRAIN_REPORTS_ROOT": "agents/ray_train_seams.py",
 }
 
 

@@ -130,6 +130,7 @@ class NodeAgent:
         context = RankContext(
             rank=self.rank, env=env, cwd=request.cwd, mask=mask, runner=self.runner,
             runtime=runtime, before_end=self._end_sampling, tag=self._tag,
+            storage_url=self.storage.url,
         )  # fmt: skip
         try:
             yield from request.program.run(context)

@@ -23,6 +23,7 @@ from orchestrator.agents.ray_train_seams import (
     CALLBACK_PATH,
     RAY_TRAIN_CALLBACKS_ENV,
     TRAIN_PG_ENV,
+    TRAIN_REPORTS_ROOT_ENV,
     TRAIN_WORKERS_ENV,
 )
 from orchestrator.agents.runtimes import HostRuntime, JobRuntime
@@ -50,6 +51,7 @@ class RankContext:
     runtime: RankRuntime  # where the processes run: the host, or the rank's container
     before_end: Callable[[], None]  # what the program's last item must not race (a last sample)
     tag: Callable[[str, bool], str]  # a line as the job's log shows it: rank, time
+    storage_url: str = ""  # the job's storage root (a Ray Train job stores its reports there)
 
     @property
     def stopping(self) -> threading.Event:
@@ -159,10 +161,13 @@ class RayTrainProgram:
     def describe(self) -> str:
         return f"Ray Train ({self.workers} workers) from rank 0's {len(self.commands)} command(s)"
 
-    def driver_environment(self, env: dict[str, str]) -> dict[str, str]:
+    def driver_environment(self, env: dict[str, str], storage_url: str = "") -> dict[str, str]:
         """What rank 0's commands get besides the job's variables: the cluster to join, the
-        callback Train loads, the group it borrows, the workers the job was admitted with."""
+        callback Train loads, the group it borrows, the workers the job was admitted with, and
+        the storage root the callback stores each report under."""
         driver = {"RAY_ADDRESS": env[CLUSTER_ADDRESS_ENV]} if CLUSTER_ADDRESS_ENV in env else {}
+        if storage_url:
+            driver[TRAIN_REPORTS_ROOT_ENV] = storage_url
         return {
             **driver,
             RAY_TRAIN_CALLBACKS_ENV: CALLBACK_PATH,
@@ -181,7 +186,8 @@ class RayTrainProgram:
             return
         # Every worker's lines in the job's log, not Ray's "[repeated 3x across cluster]" (a
         # RAY_DEDUP_LOGS of the job's own wins).
-        env = {"RAY_DEDUP_LOGS": "0", **context.env, **self.driver_environment(context.env)}
+        env = {"RAY_DEDUP_LOGS": "0", **context.env,
+               **self.driver_environment(context.env, context.storage_url)}  # fmt: skip
         yield from context.runner.run(
             self.commands, env, context.cwd, context.mask,
             before_end=context.before_end, runtime=context.runtime,

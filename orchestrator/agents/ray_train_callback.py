@@ -7,22 +7,36 @@ release and its placement (docs/design/ray-train.md, P2). So in Train's controll
 callback swaps Train's worker group for one that borrows our group (`_create_placement_group`),
 puts worker i in bundle i // workers_per_node (`_create_workers`), keeps Train's placement-group
 cleaner off our group, and turns every RETRY Train decides into the end of the attempt: one
-retry budget, the job's `--retries`. Importing this module with a Ray whose Train lacks a seam
-raises RayTrainSeamsMissing naming the version (ray_train_seams.py).
+retry budget, the job's `--retries`. It also stores every round Train collects (each worker's
+`ray.train.report` metrics, the checkpoint's name) with the job (storage/train_reports.py), on
+a thread of its own so that training never waits on storage. Importing this module with a Ray
+whose Train lacks a seam raises RayTrainSeamsMissing naming the version (ray_train_seams.py).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
-from orchestrator.agents.ray_train_seams import TRAIN_PG_ENV, TRAIN_WORKERS_ENV, seams
+from orchestrator.agents.ray_train_seams import (
+    TRAIN_PG_ENV,
+    TRAIN_REPORTS_ROOT_ENV,
+    TRAIN_WORKERS_ENV,
+    seams,
+)
+from orchestrator.storage.retry import StorageRetry
+from orchestrator.storage.root import StorageRoot
+from orchestrator.storage.train_reports import TrainReportWriter, TrainRunHeader, train_round
 
 _seams = seams()  # every private attribute below was found and checked here, once
+FINISH_FLUSH_S = 15.0  # what a finished run waits, at most, for its last reports to be stored
+ABORT_FLUSH_S = 2.0  # the same for an aborted one (a stop: the controller is about to exit)
 
 
 class NotAnOrchestratorTrainJob(RuntimeError):
@@ -55,6 +69,34 @@ class Admission:
                 "count: run this script as an orchestrator job with ray_train set in its config"
             )
         return cls(name, int(workers))
+
+
+@dataclass(frozen=True)
+class ReportTarget:
+    """Where the job's rounds are stored: its storage root, id and attempt (read in the driver;
+    None outside a job that says, and nothing is stored)."""
+
+    storage_url: str
+    job_id: str
+    attempt: int
+
+    @classmethod
+    def from_env(cls) -> ReportTarget | None:
+        url, job = os.environ.get(TRAIN_REPORTS_ROOT_ENV), os.environ.get("BT_TRAINING_JOB_ID")
+        if not url or not job:
+            return None
+        attempt = os.environ.get("BT_RETRY_COUNT", "")
+        return cls(url, job, int(attempt) if attempt.isdigit() else 0)
+
+    def writer(self, train_run_context: Any) -> TrainReportWriter:
+        """A writer for this run that never waits out an outage: it tries again itself."""
+        header = TrainRunHeader(
+            job_id=self.job_id, run_id=str(train_run_context.run_id),
+            run_name=str(train_run_context.run_config.name or ""), attempt=self.attempt,
+            started_at=time.time(),
+        )  # fmt: skip
+        root = StorageRoot(self.storage_url, StorageRetry(self.storage_url, 0, say=_say))
+        return TrainReportWriter(root, header, say=_say)
 
 
 def shape_problem(
@@ -153,16 +195,47 @@ def install(admission: Admission) -> None:
     cleaner.after_worker_group_start = after_worker_group_start
 
 
-class OrchestratorTrainCallback(_seams.ControllerCallback, _seams.WorkerGroupCallback):
+class OrchestratorTrainCallback(
+    _seams.ControllerCallback, _seams.WorkerGroupCallback, _seams.ReportCallback
+):
     """Made in the user's driver (reading the job's admission there), pickled to Train's
-    controller, where it installs the borrowing and refuses Train's retries."""
+    controller, where it installs the borrowing, refuses Train's retries and stores the
+    reports (its writer is made there: a thread does not pickle)."""
 
     def __init__(self) -> None:
         self._admission = Admission.from_env()
+        self._reports_to = ReportTarget.from_env()
+        self._writer: TrainReportWriter | None = None
+        self._rounds = 0
         self._failures: dict[int, str] = {}  # rank -> its last error's first line
 
     def after_controller_start(self, train_run_context: Any) -> None:
         install(self._admission)
+        if self._reports_to is not None:
+            try:
+                self._writer = self._reports_to.writer(train_run_context)
+            except Exception as e:  # training goes on without its reports, saying why
+                _say(f"Ray Train reports will not be stored: {type(e).__name__}: {e}")
+
+    def after_report(self, training_report: Any, metrics: list[dict[str, Any]]) -> None:
+        """One round, every worker's report in: stored by the writer's thread, never here."""
+        if self._writer is None:
+            return
+        checkpoint = training_report.checkpoint
+        name = None if checkpoint is None else os.path.basename(str(checkpoint.path).rstrip("/"))
+        try:
+            self._writer.add(train_round(self._rounds, time.time(), metrics, name))
+        except Exception as e:  # never the run's failure: a report we could not read
+            _say(f"Ray Train report {self._rounds} not stored: {type(e).__name__}: {e}")
+        self._rounds += 1
+
+    def after_controller_finish(self, result: Any) -> None:
+        if self._writer is not None:
+            self._writer.close(FINISH_FLUSH_S)
+
+    def before_controller_abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close(ABORT_FLUSH_S)
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         errors = worker_group_status.errors
@@ -185,3 +258,8 @@ class OrchestratorTrainCallback(_seams.ControllerCallback, _seams.WorkerGroupCal
 def _first_line(error: BaseException) -> str:
     text = str(error).strip() or type(error).__name__
     return f"{type(error).__name__}: {text.splitlines()[0][:300]}"
+
+
+def _say(line: str) -> None:
+    """Into the controller's output, which reaches the driver's and so the job's log."""
+    print(f"orchestrator: {line}", file=sys.stderr, flush=True)

@@ -19,10 +19,12 @@ from types import ModuleType
 from typing import Any
 
 # What the rank program hands the user's script (and so Train's controller) through the
-# environment: the callback Train loads, the job's group, and how many workers it admitted.
+# environment: the callback Train loads, the job's group, how many workers it admitted, and the
+# storage root each report is stored under (the job's own).
 RAY_TRAIN_CALLBACKS_ENV = "RAY_TRAIN_CALLBACKS"
 TRAIN_PG_ENV = "ORCHESTRATOR_TRAIN_PG"
 TRAIN_WORKERS_ENV = "ORCHESTRATOR_TRAIN_WORKERS"
+TRAIN_REPORTS_ROOT_ENV = "ORCHESTRATOR_TRAIN_REPORTS_ROOT"
 CALLBACK_PATH = "orchestrator.agents.ray_train_callback.OrchestratorTrainCallback"
 
 _TRAIN = "ray.train.v2._internal"
@@ -37,8 +39,10 @@ _SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (f"{_TRAIN}.callbacks.placement_group_callback", "PlacementGroupCleanerCallback",
      ("after_worker_group_start",)),
     (f"{_TRAIN}.execution.callback", "ControllerCallback",
-     ("after_controller_start", "before_controller_execute_failure_decision")),
+     ("after_controller_start", "before_controller_execute_failure_decision",
+      "after_controller_finish", "before_controller_abort")),
     (f"{_TRAIN}.execution.callback", "WorkerGroupCallback", ("after_worker_group_poll_status",)),
+    (f"{_TRAIN}.execution.callback", "ReportCallback", ("after_report",)),
     (f"{_TRAIN}.execution.failure_handling", "FailureDecision", ("RETRY",)),
     ("ray.train.v2.api.exceptions", "ControllerError", ()),
 )  # fmt: skip
@@ -46,6 +50,8 @@ _SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 _PARAMETERS: dict[tuple[str, str], tuple[str, ...]] = {
     ("WorkerGroup", "_create_placement_group"): ("scaling_config", "worker_group_context"),
     ("WorkerGroup", "_create_workers"): ("placement_group_bundle_indices",),
+    # Train's report handler passes both by name.
+    ("ReportCallback", "after_report"): ("training_report", "metrics"),
 }
 # Values we depend on: the variable Train reads its callbacks from.
 _VALUES: tuple[tuple[str, str, str], ...] = (
@@ -75,6 +81,7 @@ class RayTrainSeams:
     PlacementGroupCleanerCallback: type
     ControllerCallback: type
     WorkerGroupCallback: type
+    ReportCallback: type
     FailureDecision: Any
     ControllerError: type
 

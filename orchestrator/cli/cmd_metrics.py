@@ -25,7 +25,15 @@ from orchestrator.cli.render import console, print_json
 from orchestrator.client.api import latest_job
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.metrics import JobMetrics
-from orchestrator.client.metrics_text import Lines, job_lines, no_samples, rank_lines, rank_title
+from orchestrator.client.metrics_text import (
+    Lines,
+    ReportTable,
+    job_lines,
+    no_samples,
+    rank_lines,
+    rank_title,
+    report_tables,
+)
 
 _stderr = Console(stderr=True, highlight=False)  # notices, where stdout is JSON, CSV or a path
 
@@ -37,6 +45,7 @@ class MetricsFormat(str, enum.Enum):
 
 
 _HTML_HELP = "Write an HTML report (summary and plots; works offline) here and print its path"
+LIVE_REPORTS = 8  # a run's rounds in the live view, which a tall view would cut off
 
 
 def metrics(
@@ -52,7 +61,8 @@ def metrics(
         bool, typer.Option("--once", help="Print the current view once, even on a terminal")
     ] = False,
 ) -> None:
-    """A job's resource use per rank and node; on a terminal, a live view until the job ends."""
+    """A job's resource use per rank and node, and a Ray Train job's reports; on a terminal, a
+    live view until the job ends."""
     quiet = output is not MetricsFormat.text or html is not None
     job = _pick(job_id, project, storage_root, notice_on_stderr=quiet)
     m = job.metrics()
@@ -77,20 +87,23 @@ def _live(job: JobHandle, m: JobMetrics, refresh: float) -> None:
     terminal is cut, never scrolled into copies), then print the last view whole when the job
     ends or on Ctrl-C."""
     try:
-        with Live(_view(m), console=console, screen=True, auto_refresh=False) as live:
+        with Live(_view(m, LIVE_REPORTS), console=console, screen=True,
+                  auto_refresh=False) as live:  # fmt: skip
             while not m.state.is_terminal:
                 time.sleep(refresh)
                 m = job.metrics()
-                live.update(_view(m), refresh=True)
+                live.update(_view(m, LIVE_REPORTS), refresh=True)
     except KeyboardInterrupt:
         pass
     console.print(_view(m))
 
 
-def _view(m: JobMetrics) -> RenderableType:
+def _view(m: JobMetrics, reports: int | None = None) -> RenderableType:
     job = Panel(_table(job_lines(m)), title=f"job {m.job_id} · {escape(m.project)}", expand=False)
+    tables = report_tables(m) if reports is None else report_tables(m, reports)
+    trained = [_reports(t) for t in tables]
     if why := no_samples(m):
-        return Group(job, Text(why))
+        return Group(job, Text(why), *trained)
     ranks = [
         Panel(
             _table(rank_lines(r, m.read_at, m.rank_uploads.get(r.rank))),
@@ -99,7 +112,18 @@ def _view(m: JobMetrics) -> RenderableType:
         )
         for r in m.ranks
     ]
-    return Group(job, Columns(ranks))
+    return Group(job, Columns(ranks), *trained)
+
+
+def _reports(t: ReportTable) -> Panel:
+    """A run's rounds, a column per metric (rank 0's), then what the rows leave out."""
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in t.columns:
+        table.add_column(column, justify="left" if column == "checkpoint" else "right")
+    for row in t.rows:
+        table.add_row(*(Text(cell) for cell in row))
+    notes = [Text(note, style="dim") for note in t.notes]
+    return Panel(Group(table, *notes), title=escape(t.title), expand=False)
 
 
 def _table(lines: Lines) -> Table:

@@ -22,6 +22,7 @@ from orchestrator.storage.metrics import (
 )
 from orchestrator.storage.records import JobRecord, JobStatus, StatusEvent
 from orchestrator.storage.root import StorageRoot
+from orchestrator.storage.train_reports import TrainRun, read_train_runs
 
 # The CSV's first columns, the same for every job; per-GPU and per-directory ones follow.
 LEADING_COLUMNS = (
@@ -107,6 +108,8 @@ class JobMetrics:
     uploads: UploadTotals | None = None
     # Once the job has ended: each rank's uploads as the store holds them (see `after_end`).
     rank_uploads: dict[int, UploadTotals] = field(default_factory=dict)
+    # A ray_train job's `ray.train.report` rounds, one TrainRun per `fit` (storage/train_reports.py)
+    train_reports: list[TrainRun] = field(default_factory=list)
 
     @classmethod
     def read(
@@ -142,6 +145,7 @@ class JobMetrics:
             ],
             uploads=uploads,
             rank_uploads=rank_uploads,
+            train_reports=read_train_runs(root, record.job_id),
         )
 
     @property
@@ -174,6 +178,7 @@ class JobMetrics:
             "weights": [asdict(w) for w in self.weights],
             "uploads": asdict(self.uploads) if self.uploads else None,
             "ranks": [r.model_dump(mode="json") for r in self.ranks],
+            "train_reports": [r.model_dump(mode="json") for r in self.train_reports],
         }
 
     def columns(self) -> list[str]:

@@ -1,7 +1,8 @@
 """A job's metrics as a plotly figure (inline in Jupyter) and as one self-contained HTML report.
 
 Panels share the time axis; a panel with nothing to draw (GPUs on a CPU job, uploads where no
-rank reports them) is left out rather than drawn as empty axes.
+rank reports them) is left out rather than drawn as empty axes. A Ray Train job's reports are a
+figure of their own (`reports_figure`), each numeric metric over the report index.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from orchestrator.client.metrics import JobMetrics
-from orchestrator.client.metrics_text import job_lines, no_samples, rank_title
+from orchestrator.client.metrics_text import job_lines, no_samples, rank_title, run_title
 from orchestrator.storage.metrics import RankMetrics
 
 GiB = 1024**3
@@ -25,6 +26,7 @@ MiB = 1024**2
 PANEL_HEIGHT_PX = 240
 COLOURS = qualitative.Plotly  # one per rank, in every panel
 DASHES = ("solid", "dot", "dashdot", "longdash", "longdashdot")  # a rank's GPUs, dirs, ...
+MAX_REPORT_PANELS = 16  # numeric metrics drawn, by name; -o json has every one
 
 
 @dataclass
@@ -70,6 +72,10 @@ def write_report(metrics: JobMetrics, path: Path | str) -> Path:
     path = Path(path)
     fig = figure(metrics).update_layout(title=None, margin={"t": 40})  # the page's <h1> says it
     plots = fig.to_html(full_html=False, include_plotlyjs=True, config={"displaylogo": False})
+    if (reports := reports_figure(metrics)) is not None:
+        plots += "\n<h2>Ray Train reports</h2>\n" + reports.to_html(
+            full_html=False, include_plotlyjs=False, config={"displaylogo": False}
+        )
     rows = "\n".join(
         f"<tr><th>{html.escape(label)}</th><td>{html.escape(value)}</td></tr>"
         for label, value in job_lines(metrics)
@@ -89,6 +95,45 @@ def write_report(metrics: JobMetrics, path: Path | str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
     return path
+
+
+def reports_figure(metrics: JobMetrics) -> go.Figure | None:
+    """Each numeric metric of the job's Ray Train reports over the report index, one panel a
+    metric: rank 0's line per run (each `fit`), dotted lines for the workers whose values
+    differ. None when the job stored no reports with a number in them."""
+    runs = [run for run in metrics.train_reports if run.reports]
+    names = sorted({k for run in runs for r in run.reports
+                    for m in (r.metrics, *r.workers.values())
+                    for k, v in m.items() if isinstance(v, int | float)})  # fmt: skip
+    if not names:
+        return None
+    names = names[:MAX_REPORT_PANELS]
+    fig = make_subplots(rows=len(names), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+                        subplot_titles=names)  # fmt: skip
+    for row, name in enumerate(names, start=1):
+        for i, run in enumerate(runs):
+            colour, label = COLOURS[i % len(COLOURS)], run_title(run).split(" · ", 1)[1]
+            index = [r.index for r in run.reports]
+            lines = {"rank 0": [_number(r.metrics.get(name)) for r in run.reports]}
+            for worker in sorted({w for r in run.reports for w in r.workers}):
+                values = [_number(r.workers.get(worker, r.metrics).get(name)) for r in run.reports]
+                if values != lines["rank 0"]:
+                    lines[f"worker {worker}"] = values
+            for n, (who, values) in enumerate(lines.items()):
+                fig.add_trace(go.Scatter(
+                    x=index, y=values, name=f"{name}, {who}", mode="lines+markers",
+                    line={"color": colour, "dash": _dash(n)}, legendgroup=label,
+                    legendgrouptitle_text=label, showlegend=True,
+                    hovertemplate=f"{label}, {who}, {name}: %{{y:.4g}} at report %{{x}}"
+                                  "<extra></extra>",
+                ), row=row, col=1)  # fmt: skip
+    fig.update_xaxes(title_text="report", row=len(names), col=1)
+    return fig.update_layout(height=PANEL_HEIGHT_PX * len(names) + 80, template="plotly_white",
+                             hovermode="x unified", margin={"t": 40})  # fmt: skip
+
+
+def _number(value: object) -> float | None:
+    return value if isinstance(value, int | float) else None  # text (NaN, a phase): a gap
 
 
 def _title(m: JobMetrics) -> str:

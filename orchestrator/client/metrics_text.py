@@ -3,11 +3,15 @@ summary say the same things the same way."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from orchestrator.client.metrics import JobMetrics, UploadTotals
 from orchestrator.sizes import human_bytes
 from orchestrator.storage.metrics import RankMetrics
+from orchestrator.storage.train_reports import TrainReport, TrainRun, Value
 
 Lines = list[tuple[str, str]]
+REPORTS_SHOWN = 20  # the latest rounds of a run in the text view; -o json has every one
 
 
 def no_samples(metrics: JobMetrics) -> str | None:
@@ -118,3 +122,58 @@ def _uploads(u: UploadTotals) -> str:
             uploaded += f", {duration(u.mean_upload_s)} each on average"
         uploaded += ")"
     return f"{waiting}, {uploaded}"
+
+
+@dataclass(frozen=True)
+class ReportTable:
+    """A Ray Train run's latest rounds as rows: the round's index, rank 0's metrics (sorted by
+    name), its checkpoint; `notes` say what the rows leave out."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    notes: list[str]
+
+
+def report_tables(metrics: JobMetrics, last: int = REPORTS_SHOWN) -> list[ReportTable]:
+    """One table per run (each `fit` of the job), its `last` rounds."""
+    return [_report_table(run, last) for run in metrics.train_reports if run.reports]
+
+
+def run_title(run: TrainRun) -> str:
+    """`Ray Train reports · run demo, attempt 0`"""
+    return f"Ray Train reports · run {run.run_name or run.run_id[:12]}, attempt {run.attempt}"
+
+
+def _report_table(run: TrainRun, last: int) -> ReportTable:
+    shown = run.reports[-last:]
+    names = sorted({k for r in shown for k in r.metrics})
+    rows = [
+        [str(r.index), *(_value(r.metrics.get(k)) for k in names), r.checkpoint or "-"]
+        for r in shown
+    ]
+    notes = []
+    if earlier := len(run.reports) - len(shown):
+        notes.append(f"{earlier} earlier report(s) not shown: -o json and --html have every one")
+    if differing := next((r for r in reversed(shown) if r.workers), None):
+        notes.append(_differences(differing))
+    return ReportTable(run_title(run), ["report", *names, "checkpoint"], rows, notes)
+
+
+def _differences(report: TrainReport) -> str:
+    """`report 2: worker 1 differs: phase=b; worker 2 differs: ...` (what differs from rank 0)"""
+    parts = []
+    for worker, metrics in sorted(report.workers.items()):
+        changed = [f"{k}={_value(v)}" for k, v in sorted(metrics.items())
+                   if report.metrics.get(k) != v]  # fmt: skip
+        changed += [f"no {k}" for k in sorted(report.metrics) if k not in metrics]
+        parts.append(f"worker {worker} differs: {', '.join(changed)}")
+    return f"report {report.index}: " + "; ".join(parts)
+
+
+def _value(value: Value | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

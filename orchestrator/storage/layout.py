@@ -18,6 +18,10 @@ TREE: tuple[tuple[str, str], ...] = (
     ("jobs/<job_id>/status.json", "JobStatus: state, history, failure, nodes; rewritten on change"),
     ("jobs/<job_id>/logs/<seq>.log", "log segments (seq zero-padded to 8 digits), in order"),
     ("jobs/<job_id>/metrics/rank-<rank>.json", "RankMetrics: a rank's resource samples"),
+    (
+        "jobs/<job_id>/metrics/train-<run>-<part>.json",
+        "TrainReportPart: a Ray Train run's reports (storage/train_reports.py)",
+    ),
     ("jobs/<job_id>/session.json", "what `orchestrator isession` asked of the job's session"),
     ("projects/names/<name_sha256>.json", "the id a name was given, created if absent: the commit"),
     ("projects/<project_id>.json", "ProjectRecord {id, name, created_at}, written after"),
@@ -88,6 +92,10 @@ def metrics_dir(job_id: str) -> str:
 
 def rank_metrics(job_id: str, rank: int) -> str:
     return f"jobs/{job_id}/metrics/rank-{rank}.json"
+
+
+def train_report_part(job_id: str, run: str, part: int) -> str:
+    return f"jobs/{job_id}/metrics/train-{run}-{part:06d}.json"
 
 
 def session(job_id: str) -> str:
