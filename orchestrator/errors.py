@@ -56,6 +56,16 @@ class LocalClusterError(OrchestratorError):
     """The embedded local Ray cluster could not be started or stopped."""
 
 
+class RayVersionError(OrchestratorError):
+    """This Ray is outside the range orchestrator supports, or differs from the cluster's: the
+    message names the versions found and what to install."""
+
+
+class RayPrivateApiMissing(RayVersionError, RuntimeError):
+    """This Ray lacks a private call orchestrator makes (ray_private.py) and there is no public
+    way to do without it."""
+
+
 # --- the storage root ------------------------------------------------------------------------
 
 

@@ -39,6 +39,15 @@ class RuntimeKind(str, enum.Enum):
         return self is RuntimeKind.CONTAINER
 
     @property
+    def node_tools(self) -> tuple[str, ...]:
+        """The programs every node needs for this kind (`orchestrator doctor` looks for them):
+        podman, and runc where cgroups v1 make podman run it (node/podman.py); podman for Ray's
+        image_uri."""
+        if self is RuntimeKind.CONTAINER:
+            return ("podman", "runc")
+        return ("podman",) if self is RuntimeKind.IMAGE_URI else ()
+
+    @property
     def said(self) -> str:
         """Where the commands run, as the queue service's beat tells clients (ServiceBeat's
         runtime, storage/queue_store.py): the cluster's ORCHESTRATOR_JOB_RUNTIME, "host" or

@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from orchestrator.cli import (
     cmd_deploy,
+    cmd_doctor,
     cmd_download,
     cmd_events,
     cmd_init,
@@ -59,6 +60,7 @@ app.command("deploy_checkpoints")(cmd_deploy.deploy_checkpoints)
 app.command("queue")(cmd_queue.queue)
 app.command("update")(cmd_update.update)
 app.command("events")(cmd_events.events)
+app.command("doctor")(cmd_doctor.doctor)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(cache_app, name="cache")
@@ -81,9 +83,25 @@ def main() -> None:
     except Exception as e:
         refused = refusal(e, os.environ.get("RAY_ADDRESS"))  # any verb: one line, no traceback
         if refused is None:
+            refused = _outside_the_range(e)
+        if refused is None:
             raise
         _print_error(OrchestratorError(refused))
         sys.exit(1)
+
+
+def _outside_the_range(error: Exception) -> str | None:
+    """A Ray outside the supported range that failed on what it lacks: which Ray, which range
+    (ray_private feature-detects what it calls; this is the net under the rest)."""
+    if not isinstance(error, (ImportError, AttributeError)):
+        return None
+    from orchestrator import ray_private
+
+    try:
+        said = ray_private.unsupported(ray_private.ray_version())
+    except Exception:
+        return None
+    return f"{said} ({type(error).__name__}: {error})" if said else None
 
 
 def _print_error(error: OrchestratorError) -> None:

@@ -62,6 +62,15 @@ def _dashboard_url() -> str | None:
     """The cluster's Job API address, so `stop` can reach this job later."""
     import ray
 
-    ray.init(address="auto", namespace=actor_names.NAMESPACE, log_to_driver=False)
+    said = ray_private.unsupported(ray_private.ray_version())
+    if said:
+        raise OrchestratorError(said)
+    try:
+        ray.init(address="auto", namespace=actor_names.NAMESPACE, log_to_driver=False)
+    except Exception as e:  # Ray's "Version mismatch" paragraph, said as one line of ours
+        mismatch = ray_private.init_mismatch(e)
+        if mismatch is None:
+            raise
+        raise mismatch from e
     url = ray_private.dashboard_address()
     return f"http://{url}" if url and "://" not in url else url

@@ -316,9 +316,9 @@ def _stop_deployment(name: str, connection: Connection) -> None:
 
 def _serve_client(connection: Connection) -> Any:
     connection.client()  # the environment a client of this cluster needs
-    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+    from orchestrator import ray_private
 
-    return ServeSubmissionClient(connection.address)
+    return ray_private.serve_submission_client(connection.address)
 
 
 def _details(client: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from orchestrator import settings
+from orchestrator import ray_private, settings
 from orchestrator.agents.runtimes import cluster_runtime_kind, push_notices
 from orchestrator.client import bootstrap
 from orchestrator.client.connection import Connection
@@ -256,7 +256,7 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
     queue = QueueStore(root)
     starter = ""  # the cluster session whose queue service this push starts here, if it does
     try:
-        session = cluster_session(connection)
+        session = checked_session(connection)
         mirrors = bool(record.spec.job.weights)  # its controller mirrors them while it waits
         entry = entry_for(
             record, launch=launch, cluster=session, queue_timeout_s=record.queue_timeout_s,
@@ -285,18 +285,23 @@ def submit_record(record: JobRecord, connection: Connection, root: StorageRoot) 
         raise
 
 
-def cluster_session(connection: Connection) -> str:
-    """The Ray cluster's session name, from its Job API (what its queue service beats with),
-    waiting out a head that is still starting."""
+def cluster_version(connection: Connection) -> dict[str, Any]:
+    """The cluster's `/api/version` (its ray_version, session_name), waiting out a head that is
+    still starting."""
+    return while_head_starts(
+        connection.address, lambda: ray_private.cluster_version(connection.client())
+    )
 
-    def ask() -> str:
-        response = connection.client()._do_request("GET", "/api/version")
-        if response.status_code != 200:
-            raise RuntimeError(f"Request failed with status code {response.status_code}: "
-                               f"{response.text}")  # fmt: skip
-        return str(response.json()["session_name"])
 
-    return while_head_starts(connection.address, ask)
+def checked_session(connection: Connection) -> str:
+    """The cluster's session name (what its queue service beats with), once this client's Ray is
+    known to be the cluster's: a client of another release (or a cluster outside the supported
+    range) is a RayVersionError naming both versions and what to install, before anything is
+    queued or submitted."""
+    version = cluster_version(connection)
+    if version.get("ray_version"):
+        ray_private.check_cluster_ray(str(version["ray_version"]), connection.address)
+    return str(version["session_name"])
 
 
 # What Ray's Job API answers while a head that has just started cannot take jobs yet: nothing

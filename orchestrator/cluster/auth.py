@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
 from pathlib import Path
 
 from orchestrator.home import orchestrator_home
@@ -51,11 +50,10 @@ def use_token(path: Path) -> None:
     global _told
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
-    if _told != str(path) and "ray._raylet" in sys.modules:  # Ray read its settings at import
-        from ray._raylet import AuthenticationTokenLoader, Config
+    if _told != str(path):
+        from orchestrator import ray_private
 
-        Config.initialize("")  # the mode is cached with Ray's config
-        AuthenticationTokenLoader.instance().reset_cache()
+        ray_private.reset_token_cache()  # Ray read its settings at import, if it was imported
     _told = str(path)
 
 

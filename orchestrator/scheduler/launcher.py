@@ -177,9 +177,7 @@ class RayJobLauncher:
         self._client: Any = None
 
     def session(self) -> str:
-        import ray
-
-        return str(ray.get_runtime_context().get_session_name())
+        return ray_private.session_name()
 
     def hosts(self, entry: QueueEntry) -> bool:
         return False

@@ -59,6 +59,7 @@ TREE: tuple[tuple[str, str], ...] = (
         "serving/<model>/adapters/<adapter>/<path>",
         "LoRA adapters published for vLLM (serving/vllm_app.py)",
     ),
+    ("doctor/probe-<hex>", "`orchestrator doctor`'s probe object, deleted at once"),
 )
 
 
