@@ -23,6 +23,7 @@ _ERRORS = (
 )  # fmt: skip
 # For training scripts on the nodes: light, no Ray, no spec.
 _NODE_HELPERS = ("mark_checkpoint_complete",)
+_PROGRESS = ("progress",)  # the stuck detector's beat (node/progress_beat.py)
 
 
 def __getattr__(name: str) -> Any:
@@ -42,6 +43,8 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module("orchestrator.errors"), name)
     if name in _NODE_HELPERS:
         return getattr(importlib.import_module("orchestrator.storage.local_checkpoint"), name)
+    if name in _PROGRESS:
+        return getattr(importlib.import_module("orchestrator.node.progress_beat"), name)
     if importlib.util.find_spec(f"{__name__}.{name}") is not None:
         # `from orchestrator import settings` asks here first: a submodule is for the import
         # system to load, without the spec's ~0.3 s of pydantic models on every worker's path.
@@ -60,4 +63,4 @@ def _public_names() -> list[str]:
     from orchestrator.definitions import __all__ as spec_names
 
     return [*_CLIENT_API, *_QUEUE_API, *_DEPLOY_API, *_AUDIT_API, *_ERRORS, *_NODE_HELPERS,
-            "definitions", *spec_names]  # fmt: skip
+            *_PROGRESS, "definitions", *spec_names]  # fmt: skip

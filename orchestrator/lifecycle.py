@@ -35,6 +35,10 @@ class FaultKind(str, enum.Enum):
     # A rank's checkpoint directory holds more than volume_size_gib: never retried (the same
     # code fills it again).
     OVER_VOLUME = "over_volume"
+    # A rank made no progress for its window (controller/stuck.py): every rank's stacks are
+    # stored with the job; retried while `retries` lasts, but not twice in a row without a
+    # checkpoint between.
+    STUCK = "stuck"
 
 
 # A job whose commands all exited 0 but whose checkpoints were not all stored ends COMPLETED

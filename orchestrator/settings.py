@@ -183,6 +183,9 @@ QUEUE_HOLD_AFTER_S = _setting("QUEUE_HOLD_AFTER_S", 600.0, positive_float, HEAD)
 # resumable (only jobs that checkpoint), always (also jobs that would start over).
 QUEUE_PREEMPT_WITHIN_TEAM = _setting("QUEUE_PREEMPT_WITHIN_TEAM", "never", within_team, HEAD)
 PREEMPTION_GRACE_S = _setting("PREEMPTION_GRACE_S", 60.0, positive_float, HEAD)
+# A rank on which nothing moved this long (or 5x the job's longest silence, if more) is stuck
+# (controller/stuck.py); a job's `stuck_after_s` overrides it.
+STUCK_AFTER_S = _setting("STUCK_AFTER_S", 600.0, positive_float, HEAD)
 # How the queue service starts the controllers of the jobs it admits (its launcher,
 # scheduler/launcher.py `launcher_for`): as threads of one resident process on the head
 # (hosted; controller/host.py), or each as its own Ray job.
@@ -211,4 +214,5 @@ TRAINING_CACHE_DIR = _setting("TRAINING_CACHE_DIR", None, text, NODE)
 
 # Not settings: ORCHESTRATOR_SECRET_<NAME> (secret values, storage/secret_store.py) and
 # what a job's commands are given: ORCHESTRATOR_RAY_ADDRESS (agents/rank_program.py) and a Ray
-# Train job's ORCHESTRATOR_TRAIN_PG and ORCHESTRATOR_TRAIN_WORKERS (agents/ray_train_seams.py).
+# Train job's ORCHESTRATOR_TRAIN_PG and ORCHESTRATOR_TRAIN_WORKERS (agents/ray_train_seams.py);
+# ORCHESTRATOR_PROGRESS_FILE, where orchestrator.progress() beats (node/progress_beat.py).

@@ -201,6 +201,11 @@ class FakeRanks:
         if running is not None:
             running.done.wait(timeout_s)
 
+    def stacks(self, timeout_s: float) -> dict[int, str]:
+        self.calls.append("stacks")
+        running = [r.rank for r in self.runs if not r.done.is_set()]
+        return {rank: f"rank {rank}: no stacks here\n" for rank in running}
+
     def stop(self, grace_s: float) -> str | None:
         self.calls.append("stop")
         for run in self.runs:
@@ -254,6 +259,11 @@ class InProcessRanks(FakeRanks):
             request = dataclasses.replace(request, metrics=None)  # sampling asks Ray its node
             threading.Thread(target=follow, args=(agent.run_program(request), run, on_lines),
                              daemon=True).start()  # fmt: skip
+
+    def stacks(self, timeout_s: float) -> dict[int, str]:
+        self.calls.append("stacks")
+        running = [r.rank for r in self.runs if not r.done.is_set()]
+        return {rank: self.agents[rank].stacks() for rank in running}
 
     def stop(self, grace_s: float) -> str | None:
         self.calls.append("stop")

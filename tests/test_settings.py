@@ -14,6 +14,7 @@ from orchestrator.errors import ConfigError
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 # What a job's commands are given, not settings: where each is defined.
 JOB_GIVEN = {
+    "ORCHESTRATOR_PROGRESS_FILE": "node/progress_beat.py",
     "ORCHESTRATOR_RAY_ADDRESS": "agents/rank_program.py",
     "ORCHESTRATOR_TRAIN_PG": "agents/ray_train_seams.py",
     "ORCHESTRATOR_TRAIN_WORKERS": "agents/ray_train_seams.py",

@@ -37,6 +37,7 @@ from orchestrator.agents.rank_program import CLUSTER_ADDRESS_ENV, RankContext, S
 from orchestrator.agents.rendezvous import free_port, group_environment
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.node.node_root import RankDirs
+from orchestrator.node.progress_beat import PROGRESS_FILE_ENV, read_beat
 from orchestrator.node.secrets import SecretMasker, resolve_secret
 from orchestrator.storage.logs import rank_line
 from orchestrator.storage.metrics import MetricsSample
@@ -57,6 +58,7 @@ TERMINAL_THREADS = 8  # two per open terminal (its output long-poll and its inpu
 
 agent_name = actor_names.node_agent  # also what marks the weights and links an agent holds
 uploader_name = actor_names.checkpoint_uploader
+BEAT_FILE = ".orchestrator-progress"  # in the rank's scratch directory
 
 
 class NodeAgent:
@@ -121,6 +123,7 @@ class NodeAgent:
         # Where the rank runs (the host, or its container: node/rank_runtime.py) and all it sees.
         runtime = request.runtime.on_node(self.preparer.place())
         env = runtime.environment({**cache_env, **request.env, **group_env, **values})
+        env = {**env, **self._beat_environment(env)}
         self.shell.commands_started(env, request.cwd, mask, runtime)
         if request.metrics is not None:
             try:
@@ -165,7 +168,30 @@ class NodeAgent:
         self._sampler = MetricsSampler(
             metrics, self.storage.url, root_pid=self.runner.pid, dirs=self._sampled_dirs,
             disk_of=self.dirs.base, gpus=gpus, uploads=uploads, gauges=gauges,
+            beat=self._read_beat,
         )  # fmt: skip
+
+    def _beat_environment(self, env: dict[str, str]) -> dict[str, str]:
+        """Where `orchestrator.progress()` beats (node/progress_beat.py): a file in the rank's
+        scratch directory, as the commands see it (a container's path inside it). A beat left
+        by an earlier attempt is removed."""
+        with contextlib.suppress(OSError):
+            self._beat_file().unlink()
+        if "BT_SCRATCH_DIR" not in env:
+            return {}
+        return {PROGRESS_FILE_ENV: f"{env['BT_SCRATCH_DIR'].rstrip('/')}/{BEAT_FILE}"}
+
+    def _beat_file(self) -> Path:
+        return self.dirs.scratch / BEAT_FILE
+
+    def _read_beat(self) -> tuple[float, int | None] | None:
+        return read_beat(str(self._beat_file()))
+
+    def stacks(self) -> str:
+        """Every Python stack of this rank's commands now (py-spy, node/stacks.py)."""
+        from orchestrator.node.stacks import rank_stacks
+
+        return rank_stacks(self.runner.pid())
 
     def last_sample(self) -> MetricsSample | None:
         """This rank's latest resource sample (None before the first): the controller's polls

@@ -23,6 +23,7 @@ from orchestrator.cli import (
     cmd_recreate,
     cmd_run,
     cmd_shell,
+    cmd_stacks,
     cmd_stop,
     cmd_update,
     cmd_validate,
@@ -55,6 +56,7 @@ app.command("stop")(cmd_stop.stop)
 app.command("download")(cmd_download.download)
 app.command("run")(cmd_run.run)
 app.command("shell")(cmd_shell.shell)
+app.command("stacks")(cmd_stacks.stacks)
 app.command("isession")(cmd_isession.isession)
 app.command("deploy_checkpoints")(cmd_deploy.deploy_checkpoints)
 app.command("queue")(cmd_queue.queue)

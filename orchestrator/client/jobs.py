@@ -16,6 +16,7 @@ from orchestrator.client.audit import audited
 from orchestrator.client.connection import Connection
 from orchestrator.client.log_view import FOLLOW_PROGRESS_S, thin_progress
 from orchestrator.client.metrics import JobMetrics
+from orchestrator.client.stacks import job_stacks
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
 from orchestrator.storage import layout
@@ -24,6 +25,7 @@ from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.logs import read_logs
 from orchestrator.storage.queue_store import QueueEntry, QueueStore
 from orchestrator.storage.records import Attempt, Failure, JobRecord, JobStatus
+from orchestrator.storage.stacks import StackStore
 
 if TYPE_CHECKING:
     from plotly.graph_objects import Figure
@@ -295,6 +297,15 @@ class JobHandle:
             why = logs.strip().splitlines()[-1:] or [info.message or "no output"]
             raise OrchestratorError(f"could not run a command in job {self.id}: {why[0]}")
         return code, logs.split(OUTPUT_MARKER + "\n", 1)[1]
+
+    def stacks(self, timeout_s: float = 120) -> dict[int, str]:
+        """Every rank's Python stacks by rank (py-spy, all threads): taken now from a running
+        job, else the last set stored (a stuck attempt's); client/stacks.py."""
+        return job_stacks(self, self._store.root, timeout_s)
+
+    def stack_sets(self) -> list[str]:
+        """The job's stored stack sets, oldest first: `attempt-<n>` (stuck), `taken-<time>`."""
+        return StackStore(self._store.root, self.id).sets()
 
     def _audited(self, verb: str, **target: Any) -> Any:
         """`audited` of a change to this job (client/audit.py)."""

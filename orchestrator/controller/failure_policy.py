@@ -10,6 +10,9 @@ FailurePolicy/FailureDecision are. The rules (docs/architecture.md#faults-and-re
 - a start command that exits non-zero usually fails again: retried only with
   `retry_on_failure`, after `delay_s`, and it uses `retries`;
 - a checkpoint directory over `volume_size_gib` is never retried;
+- a stuck attempt (a rank silent for its window, controller/stuck.py) is retried while
+  `retries` lasts, but a second stuck attempt in a row with no checkpoint stored between them
+  ends the job (a retry would only hang again where it did);
 - a stop by the user is never retried.
 """
 
@@ -35,6 +38,7 @@ class Fault:
     rank: int | None = None
     node_id: str | None = None
     deadline: float = 0.0  # a preemption notice's: when the nodes go (epoch seconds)
+    checkpoint: str | None = None  # STUCK: the job's newest stored checkpoint at the time
 
 
 class Action(str, enum.Enum):
@@ -73,6 +77,9 @@ class FailurePolicy:
         if kind == FaultKind.COMMAND_FAILED and not policy.retry_on_failure:
             why = "a failed command is not retried without retry_on_failure"
             return FailureDecision(Action.END, why, JobState.FAILED)
+        if kind == FaultKind.STUCK and _stuck_again(fault, earlier):
+            why = "stuck twice in a row with no checkpoint stored between the attempts"
+            return FailureDecision(Action.END, why, JobState.FAILED)
         used = sum(f.kind != FaultKind.PREEMPTED for f in earlier) + 1
         if used > policy.retries:
             why = f"retries spent ({policy.retries} of {policy.retries})"
@@ -83,3 +90,9 @@ class FailurePolicy:
         if kind == FaultKind.COMMAND_FAILED:
             return FailureDecision(Action.WAIT, why, delay_s=policy.delay_s)
         return FailureDecision(Action.RETRY, why)
+
+
+def _stuck_again(fault: Fault, earlier: Sequence[Fault]) -> bool:
+    """The attempt before was stuck too, and no checkpoint was stored since."""
+    last = earlier[-1] if earlier else None
+    return last is not None and last.kind == FaultKind.STUCK and last.checkpoint == fault.checkpoint

@@ -214,6 +214,10 @@ class RankGroup(Protocol):
     def wait(self, timeout_s: float) -> None:
         """Until a rank's program ends, or `timeout_s`."""
 
+    def stacks(self, timeout_s: float) -> dict[int, str]:
+        """Every running rank's Python stacks now (node/stacks.py), asked of all at once; the
+        ranks that answered within `timeout_s`."""
+
     def stop(self, grace_s: float) -> str | None:
         """Stop the programs (SIGTERM, SIGKILL after `grace_s`) on every rank still there; an
         error to say, if any."""

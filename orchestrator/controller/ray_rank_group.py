@@ -251,6 +251,14 @@ class RayRankGroup:
         if running is not None:
             running.done.wait(timeout_s)
 
+    def stacks(self, timeout_s: float) -> dict[int, str]:
+        asked = {
+            rank: agent.stacks.remote()
+            for rank, agent in enumerate(self.agents)
+            if rank < len(self.runs) and not self.runs[rank].done.is_set()
+        }
+        return gather_stacks(asked, timeout_s)
+
     def stop(self, grace_s: float) -> str | None:
         """Every agent at once, so each rank's program has the whole grace; a lost rank's agent
         is gone with its program and is not waited for."""
@@ -300,6 +308,20 @@ class RayRankGroup:
             ray.kill(agent)
         for helper in self.helpers:
             ray.kill(helper)
+
+
+def gather_stacks(asked: dict[int, Any], timeout_s: float) -> dict[int, str]:
+    """The answers of agents' `stacks` calls (rank -> its ref) that come within `timeout_s`; a
+    rank that did not answer is said so in its place."""
+    if asked:
+        ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s)
+    found = {}
+    for rank, ref in asked.items():
+        try:
+            found[rank] = ray.get(ref, timeout=0)
+        except Exception as e:
+            found[rank] = f"rank {rank}'s stacks could not be taken: {short_error(e)}\n"
+    return found
 
 
 @functools.cache

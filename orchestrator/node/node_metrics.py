@@ -278,8 +278,10 @@ class MetricsSampler:
         gpus: list[str],
         uploads: Callable[[], UploadStats | None],
         gauges: Gauges | None,
+        beat: Callable[[], tuple[float, int | None] | None] = lambda: None,
     ) -> None:
         self.metrics = metrics
+        self._beat = beat  # the commands' latest orchestrator.progress(), for the stuck detector
         self._storage = no_wait_root(storage_url)  # a flush that fails goes again at the next
         self._root_pid, self._disk_of, self._uploads = root_pid, disk_of, uploads
         self._tree, self._disks, self._net = ProcessTree(), DiskSizes(dirs), NetworkRate()
@@ -320,6 +322,9 @@ class MetricsSampler:
             disk_total_bytes=total, net_sent_bytes_per_s=sent, net_recv_bytes_per_s=recv,
             uploads=self._upload_stats(),
         )  # fmt: skip
+        with contextlib.suppress(Exception):
+            if (beat := self._beat()) is not None:
+                sample.beat_at, sample.beat_step = beat
         self.metrics.add(sample)
         if self._gauges is not None:
             with contextlib.suppress(Exception):

@@ -15,6 +15,7 @@ from pydantic import (
     BeforeValidator,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     field_validator,
@@ -225,6 +226,9 @@ class TrainingJob(StrictModel):
     weights: list[WeightsSource] = Field(default_factory=list)
     enable_baseten_workdir: StrictBool = True
     ray_train: RayTrain | None = None  # orchestrator's extension
+    # Orchestrator's extension: a rank on which nothing moved this long is stuck (its stacks
+    # stored, the attempt retried or failed); unset: ORCHESTRATOR_STUCK_AFTER_S on the head.
+    stuck_after_s: StrictFloat | StrictInt | None = Field(default=None, gt=0)
 
     @field_validator("weights")
     @classmethod

@@ -23,6 +23,12 @@ TREE: tuple[tuple[str, str], ...] = (
         "TrainReportPart: a Ray Train run's reports (storage/train_reports.py)",
     ),
     ("jobs/<job_id>/session.json", "what `orchestrator isession` asked of the job's session"),
+    (
+        "jobs/<job_id>/stacks/attempt-<n>/rank-<rank>.txt",
+        "a rank's Python stacks when the attempt was stuck (storage/stacks.py)",
+    ),
+    ("jobs/<job_id>/stacks/attempt-<n>/silent.json", "SilentRanks: which rank went silent first"),
+    ("jobs/<job_id>/stacks/taken-<time>/rank-<rank>.txt", "stacks `orchestrator stacks` took"),
     ("projects/names/<name_sha256>.json", "the id a name was given, created if absent: the commit"),
     ("projects/<project_id>.json", "ProjectRecord {id, name, created_at}, written after"),
     (
@@ -102,6 +108,23 @@ def train_report_part(job_id: str, run: str, part: int) -> str:
 def session(job_id: str) -> str:
     """What a user asked of the job's interactive session (`orchestrator isession`)."""
     return f"jobs/{job_id}/session.json"
+
+
+def stacks_root(job_id: str) -> str:
+    return f"jobs/{job_id}/stacks"
+
+
+def stacks_dir(job_id: str, name: str) -> str:
+    """A set of every rank's stacks: `attempt-<n>` (stuck) or `taken-<time>` (on demand)."""
+    return f"jobs/{job_id}/stacks/{name}"
+
+
+def stacks_file(job_id: str, name: str, rank: int) -> str:
+    return f"jobs/{job_id}/stacks/{name}/rank-{rank}.txt"
+
+
+def stacks_silent(job_id: str, name: str) -> str:
+    return f"jobs/{job_id}/stacks/{name}/silent.json"
 
 
 def projects() -> str:

@@ -56,6 +56,10 @@ class MetricsSample(Stored):
     net_sent_bytes_per_s: float = 0.0
     net_recv_bytes_per_s: float = 0.0
     uploads: UploadStats | None = None
+    # The rank's latest `orchestrator.progress(step)` (node/progress_beat.py): when, and its
+    # step; None: never called.
+    beat_at: float | None = None
+    beat_step: int | None = None
 
 
 class RankMetrics(Stored):
