@@ -19,7 +19,7 @@ from orchestrator.agents.messages import ImageRequest
 from orchestrator.agents.runtimes import JobRuntime, push_notices, runtime_for
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import store_job
-from orchestrator.client.support import UNBUILT, Unbuilt, check_support, ray_train_retries
+from orchestrator.client.support import UNBUILT, Unbuilt, check_support
 from orchestrator.controller.environment import job_environment
 from orchestrator.errors import UnsupportedFeatureError
 from orchestrator.spec.training import TrainingJob, TrainingProject
@@ -220,9 +220,6 @@ def check_enable_baseten_workdir(kind: str, tmp_path: Path, _: pytest.MonkeyPatc
 def check_ray_train(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert kind == "refused"
     train, plain = job_of(ray_train={}), job_of()
-    refused = ray_train_retries(train, 1)
-    assert refused is not None and refused.startswith("retries (1) of a ray_train job: Ray Train")
-    assert ray_train_retries(train, 0) is None and ray_train_retries(plain, 3) is None
     assert check_support(train).errors == ()  # this Ray has every seam
     monkeypatch.setattr(ray_train_seams, "seams_missing", lambda: "this Ray (2.99.0) lacks x")
     assert check_support(train).errors == ("ray_train: this Ray (2.99.0) lacks x",)

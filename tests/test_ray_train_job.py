@@ -19,9 +19,8 @@ from orchestrator.agents.rank_program import CommandsProgram, RayTrainProgram, p
 from orchestrator.agents.ray_train_seams import CALLBACK_PATH
 from orchestrator.client.job_summary import describe_job
 from orchestrator.client.prepare import prepare_job
-from orchestrator.client.support import check_support, ray_train_retries
+from orchestrator.client.support import check_support
 from orchestrator.controller.plan import RankPlan
-from orchestrator.errors import UnsupportedFeatureError
 from orchestrator.lifecycle import JobState
 from orchestrator.spec.validation import describe_validation_error
 
@@ -76,29 +75,10 @@ def test_a_share_that_cannot_hold_its_workers_is_refused_with_the_field(compute,
     assert line.startswith(f"TrainingJob.ray_train.workers_per_node: {reason}"), line
 
 
-def test_checkpoints_and_retries_of_a_ray_train_job_are_refused_until_built(tmp_path):
+def test_checkpoints_and_retries_of_a_ray_train_job_are_taken(tmp_path):
     checkpointed = train_job(checkpointing_config=d.CheckpointingConfig(enabled=True))
-    (error,) = check_support(checkpointed).errors
-    assert error.startswith("runtime.checkpointing_config.enabled with ray_train: Ray Train "
-                            "checkpoints are not built yet: ")  # fmt: skip
-    with pytest.raises(UnsupportedFeatureError, match="Ray Train checkpoints are not built yet"):
-        prepare_job(d.TrainingProject(name="t", job=checkpointed), tmp_path)
-    assert check_support(train_job()).errors == ()
-    refused = ray_train_retries(train_job(), 2)
-    assert refused is not None and "Ray Train checkpoints are not built yet" in refused
-    assert "--retries 0" in refused
-    assert ray_train_retries(train_job(), 0) is None
-
-
-def test_push_refuses_retries_of_a_ray_train_job_before_anything_is_created(tmp_path):
-    from orchestrator.client.api import push
-
-    (tmp_path / "train.py").write_text("print('hi')\n")
-    project = d.TrainingProject(name="t", job=train_job())
-    with pytest.raises(UnsupportedFeatureError, match=r"retries \(1\) of a ray_train job"):
-        push(project, tmp_path, address="http://127.0.0.1:1", storage_root=str(tmp_path / "s"),
-             retries=1)  # fmt: skip
-    assert not (tmp_path / "s").exists()
+    assert check_support(checkpointed).errors == ()
+    prepare_job(d.TrainingProject(name="t", job=checkpointed), tmp_path)  # nothing refused
 
 
 # --- the rank program (no Ray: the ranks run in this process) ------------------------------------

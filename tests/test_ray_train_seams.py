@@ -77,7 +77,7 @@ def test_each_missing_seam_is_named_with_the_ray_version_found():
     assert (
         "the parameter 'placement_group_bundle_indices' of WorkerGroup._create_workers" in message
     )
-    assert "pyproject.toml pins" in message
+    assert "Ray Train jobs run on Ray 2.60" in message
 
 
 def test_a_missing_module_is_named_once():

@@ -19,6 +19,7 @@ JOB_GIVEN = {
     "ORCHESTRATOR_TRAIN_PG": "agents/ray_train_seams.py",
     "ORCHESTRATOR_TRAIN_WORKERS": "agents/ray_train_seams.py",
     "ORCHESTRATOR_TRAIN_REPORTS_ROOT": "agents/ray_train_seams.py",
+    "ORCHESTRATOR_TRAIN_CHECKPOINT_PATH": "agents/ray_train_seams.py",
 }
 
 

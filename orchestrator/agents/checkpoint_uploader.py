@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from orchestrator.agents.messages import StoredCheckpoint, UploaderFlush, UploaderPoll
-from orchestrator.node.checkpoint_rules import read_earlier_checkpoints, top_level
-from orchestrator.node.checkpoint_tracking import (
-    RENAMED,
-    SETTLED,
-    CheckpointTracker,
-    Tracked,
-)
+from orchestrator.node import train_checkpoints
+from orchestrator.node.checkpoint_rules import read_earlier_checkpoints, top_level, volume_use
+from orchestrator.node.checkpoint_tracking import RENAMED, SETTLED, CheckpointTracker, Tracked
 from orchestrator.node.node_root import RankDirs
 from orchestrator.node.rename_watch import RenameWatch
 from orchestrator.storage.checkpoints import (
@@ -38,7 +35,6 @@ from orchestrator.storage.root import StorageRoot
 SCAN_S = 0.1
 RECHECK_S = 2.0  # how often volume size, stored and earlier jobs' checkpoints are looked at again
 RETRY_S = 10.0  # a failed upload is tried again this long after, and by the final flush
-WARN_FRACTION = 0.9
 
 
 class CheckpointUploader:
@@ -56,11 +52,13 @@ class CheckpointUploader:
         volume_size_gib: int | None = None,
         earlier: dict[str, str] | None = None,
         outage_s: float | None = None,
+        train_run: bool = False,
     ) -> None:
         """`local_dir`: checkpoint_path, or None for the rank's own directory on this node.
         `earlier`: name -> fingerprint of what it held when the job started; None: what the
         node agent writes while it prepares (started with the agent, this waits for that).
-        `outage_s`: how long uploads ride out an unreachable storage root (the job's setting)."""
+        `outage_s`: how long uploads ride out an unreachable storage root (the job's setting).
+        `train_run`: a Ray Train job's, whose directories are complete once Train commits them."""
         self.project, self.job_id, self.rank = project, job_id, rank
         self.events: list[str] = []
         retry = StorageRetry(storage_root, outage_s, say=self._event)
@@ -72,6 +70,7 @@ class CheckpointUploader:
         self.volume_bytes = volume_size_gib * 2**30 if volume_size_gib else None
         self.tracker = CheckpointTracker(rank, self.local_dir, self.settings, self._event)
         self.tracker.earlier = dict(earlier or {})
+        self.tracker.commit_only = train_run
         if _restarted():  # its rank's commands may not run now: no quiet spell till an attempt
             self.tracker.quiet_since = None  # begins (begin_attempt)
         self._scan_error: str | None = None
@@ -134,6 +133,12 @@ class CheckpointUploader:
         if self.tracker.writer_end is None:
             self.tracker.writer_end = (clean, at or time.time(), how)
 
+    def train_committed(self, name: str, parts: list[int]) -> None:
+        """Ray Train committed `name` (every worker reported that round; `parts`: the nodes
+        with a part): this node's part, if any, is complete, marked so on disk."""
+        if train_checkpoints.mark_committed(self.local_dir, name, parts):
+            self._event(f"Ray Train committed {name}: this node's part of it is uploaded")
+
     def flush(
         self, timeout: float | None = None, clean: bool = False, how: str = "the job ended"
     ) -> UploaderFlush:
@@ -162,15 +167,18 @@ class CheckpointUploader:
         return UploaderFlush(self.tracker.entries(), self.events, self.tracker.writes())
 
     def begin_attempt(
-        self, number: int, resume: Manifest | None, newer: list[str], top: Manifest | None = None
-    ) -> None:
+        self, number: int, resume: Manifest | None, newer: list[str], top: Manifest | None = None,
+        parts: Sequence[Manifest] = (), train_snapshot: str | None = None,
+    ) -> None:  # fmt: skip
         """Before attempt `number` starts, put this rank at the job's resume point: set aside
         what the last attempt left unfinished, the `newer` checkpoints (those other ranks lack,
         or all when the job starts again) and copies restored for an earlier attempt, so a
         trainer resuming from its newest checkpoint finds the one every rank has; and restore
         `resume` (this rank's copy, or a shared one: controller/resume_point.py) if it is not
         here, and `top`, the files at the top that come with a directory `resume`, likewise.
-        What the rank writes from now on is this attempt's (`tracker.writes`)."""
+        Ray Train's: the other nodes' `parts` of `resume` go beside this node's, and its run
+        snapshot is `train_snapshot` (node/train_checkpoints.py). What the rank writes from
+        now on is this attempt's (`tracker.writes`)."""
         if not self._started.wait(60):
             raise TimeoutError(f"rank {self.rank}'s checkpoint uploader is not watching")
         with self._lock:
@@ -181,7 +189,25 @@ class CheckpointUploader:
             for chosen in (resume, top):
                 if chosen is not None and not self.tracker.exists(chosen.name):
                     self._restore(number, chosen)
+            if parts:
+                self._merge(number, list(parts))
+            if train_snapshot is not None:
+                said = train_checkpoints.write_snapshot(self.local_dir, train_snapshot, number)
+                if said:
+                    self._event(said)
             self.tracker.new_watch()
+
+    def _merge(self, number: int, parts: list[Manifest]) -> None:
+        """Other nodes' parts of a Ray Train checkpoint beside this node's, kept as restored."""
+        name = parts[0].name
+        train_checkpoints.merge_parts(self.store, self.local_dir, parts)
+        fingerprint = self.tracker.places.snapshot(name).fingerprint
+        t, whose = self.tracker.tracked.get(name), ", ".join(f"rank-{p.node_rank}" for p in parts)
+        if t is not None and t.stored is not None:
+            t.restored, t.seen, t.ready = fingerprint, None, None
+        else:
+            self.tracker.restored[name] = (fingerprint, f"{whose}/{name}")
+        self._event(f"{name}: the parts of {whose} put beside this node's for attempt {number}")
 
     def _restore(self, number: int, chosen: Manifest) -> None:
         name, whose = chosen.name, f"rank-{chosen.node_rank}/{chosen.name}"
@@ -308,6 +334,10 @@ class CheckpointUploader:
             self.tracker.ready(t, self.tracker.judge(name, t, now))
         if t.ready is None and not final:
             return
+        if t.ready is None and self.tracker.awaits_commit(name):
+            t.uncommitted = ("Ray Train never committed it (not every worker reported that "
+                             "round): not uploaded")  # fmt: skip
+            return
         if t.failed and not final and now - t.failed_at < RETRY_S:
             return
         incomplete = None if t.ready else self.tracker.why_incomplete(name, t)
@@ -344,6 +374,7 @@ class CheckpointUploader:
                 self.local_dir / name, self.project, self.job_id, self.rank, self.settings,
                 seen=t.seen, replaces=replaced, incomplete_reason=incomplete, name=name,
                 top_level=self.tracker.places.is_top(name),
+                train_parts=train_checkpoints.committed_parts(self.local_dir / name),
             )  # fmt: skip
         except CheckpointChanged as e:
             self._abandoned(name, t, str(e))
@@ -398,21 +429,12 @@ class CheckpointUploader:
         )
 
     def _check_volume(self) -> None:
-        if self.volume_bytes is None or not self.local_dir.is_dir():
+        if self.volume_bytes is None:
             return
-        used = sum(p.stat().st_size for p in self.local_dir.rglob("*") if p.is_file())
-        limit_gib = self.volume_bytes / 2**30
-        if used > self.volume_bytes:
-            self.over_volume = (
-                f"checkpoint directory on rank {self.rank} holds {used / 2**30:.2f} GiB, over "
-                f"volume_size_gib={limit_gib:g}: delete old checkpoints or raise volume_size_gib"
-            )
-        elif used > WARN_FRACTION * self.volume_bytes and not self._warned:
+        self.over_volume, warning = volume_use(self.local_dir, self.rank, self.volume_bytes)
+        if warning and not self._warned:
             self._warned = True
-            self._event(
-                f"warning: checkpoint directory uses {used / 2**30:.2f} GiB of "
-                f"volume_size_gib={limit_gib:g}"
-            )
+            self._event(warning)
 
     def _event(self, message: str) -> None:
         self.events.append(

@@ -22,6 +22,7 @@ from orchestrator.agents.messages import CommandsEnded, MetricsRequest, OutputLi
 from orchestrator.agents.ray_train_seams import (
     CALLBACK_PATH,
     RAY_TRAIN_CALLBACKS_ENV,
+    TRAIN_CHECKPOINT_PATH_ENV,
     TRAIN_PG_ENV,
     TRAIN_REPORTS_ROOT_ENV,
     TRAIN_WORKERS_ENV,
@@ -150,13 +151,16 @@ class RayTrainProgram:
 
     commands: tuple[str, ...]
     workers: int  # node_count x workers_per_node: what the script's ScalingConfig must ask
+    checkpoint_path: str | None = None  # checkpointing_config's, where Train's writes go
     lends_bundle: ClassVar[bool] = True  # Train's workers take the bundle, not the agents
 
     @classmethod
     def for_job(cls, job: TrainingJob) -> RayTrainProgram | None:
         if job.ray_train is None:
             return None
-        return cls(tuple(job.runtime.start_commands), job.ray_train.workers(job.compute))
+        checkpointing = job.runtime.checkpointing_config
+        path = checkpointing.checkpoint_path if checkpointing.enabled else None
+        return cls(tuple(job.runtime.start_commands), job.ray_train.workers(job.compute), path)
 
     def describe(self) -> str:
         return f"Ray Train ({self.workers} workers) from rank 0's {len(self.commands)} command(s)"
@@ -168,6 +172,8 @@ class RayTrainProgram:
         driver = {"RAY_ADDRESS": env[CLUSTER_ADDRESS_ENV]} if CLUSTER_ADDRESS_ENV in env else {}
         if storage_url:
             driver[TRAIN_REPORTS_ROOT_ENV] = storage_url
+        if self.checkpoint_path:
+            driver[TRAIN_CHECKPOINT_PATH_ENV] = self.checkpoint_path
         return {
             **driver,
             RAY_TRAIN_CALLBACKS_ENV: CALLBACK_PATH,

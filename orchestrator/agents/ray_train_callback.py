@@ -9,8 +9,15 @@ puts worker i in bundle i // workers_per_node (`_create_workers`), keeps Train's
 cleaner off our group, and turns every RETRY Train decides into the end of the attempt: one
 retry budget, the job's `--retries`. It also stores every round Train collects (each worker's
 `ray.train.report` metrics, the checkpoint's name) with the job (storage/train_reports.py), on
-a thread of its own so that training never waits on storage. Importing this module with a Ray
-whose Train lacks a seam raises RayTrainSeamsMissing naming the version (ray_train_seams.py).
+a thread of its own so that training never waits on storage.
+
+Checkpoints: in the driver, before Train reads it, the script's RunConfig is pointed at each
+node's own checkpoint directory (agents/ray_train_storage.py). A directory there is a
+checkpoint only once Train commits it (every worker reported its round): then this callback
+tells the uploader of each node that wrote a part of it, which uploads that part, and the round
+it stores names those nodes, so a retry knows when every part is stored (whole). Importing this
+module with a Ray whose Train lacks a seam raises RayTrainSeamsMissing naming the version
+(ray_train_seams.py).
 """
 
 from __future__ import annotations
@@ -24,12 +31,16 @@ from typing import Any, ClassVar
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
+from orchestrator import actor_names
 from orchestrator.agents.ray_train_seams import (
+    TRAIN_CHECKPOINT_PATH_ENV,
     TRAIN_PG_ENV,
     TRAIN_REPORTS_ROOT_ENV,
     TRAIN_WORKERS_ENV,
+    calling_trainer,
     seams,
 )
+from orchestrator.agents.ray_train_storage import redirect
 from orchestrator.storage.retry import StorageRetry
 from orchestrator.storage.root import StorageRoot
 from orchestrator.storage.train_reports import TrainReportWriter, TrainRunHeader, train_round
@@ -205,9 +216,36 @@ class OrchestratorTrainCallback(
     def __init__(self) -> None:
         self._admission = Admission.from_env()
         self._reports_to = ReportTarget.from_env()
+        self._job_id = os.environ.get("BT_TRAINING_JOB_ID", "")
+        self._uploads = "BT_CHECKPOINT_DIR" in os.environ  # the job's nodes have uploaders
         self._writer: TrainReportWriter | None = None
         self._rounds = 0
         self._failures: dict[int, str] = {}  # rank -> its last error's first line
+        self._nodes: list[int] = []  # worker rank -> the node rank (bundle) it runs on
+        self._parts: dict[str, set[int]] = {}  # checkpoint -> nodes whose workers wrote to it
+        self._pending: list[tuple[int, float, list[dict[str, Any]], str | None]] = []
+        self._point_at_nodes()
+
+    def _point_at_nodes(self) -> None:
+        """Made in the driver by the trainer's fit(): its RunConfig goes to the nodes'
+        checkpoint directories before Train reads it (agents/ray_train_storage.py)."""
+        if not self._job_id:
+            return  # Train's seams tried outside a job (tests/test_ray_train_seams.py)
+        trainer = calling_trainer()
+        if trainer is None:
+            raise NotAnOrchestratorTrainJob(
+                "orchestrator's Ray Train callback was not made by a trainer's fit() (Ray "
+                "Train's RAY_TRAIN_CALLBACKS): the job's checkpoints would have nowhere to go"
+            )
+        run_config = trainer.run_config
+        count = os.environ.get("BT_RETRY_COUNT", "0")
+        attempt = None if self._uploads else int(count) if count.isdigit() else 0
+        asked = redirect(run_config, self._job_id, self._admission.placement_group,
+                         os.environ.get(TRAIN_CHECKPOINT_PATH_ENV) or None, attempt)  # fmt: skip
+        if asked is not None:
+            _say(f"Ray Train run {run_config.name!r}: checkpoints are written to each node's "
+                 f"$BT_CHECKPOINT_DIR and stored with the job, not to RunConfig.storage_path "
+                 f"{asked!r}")  # fmt: skip
 
     def after_controller_start(self, train_run_context: Any) -> None:
         install(self._admission)
@@ -222,14 +260,41 @@ class OrchestratorTrainCallback(
         if self._writer is None:
             return
         checkpoint = training_report.checkpoint
-        name = None if checkpoint is None else os.path.basename(str(checkpoint.path).rstrip("/"))
-        try:
-            self._writer.add(train_round(self._rounds, time.time(), metrics, name))
-        except Exception as e:  # never the run's failure: a report we could not read
-            _say(f"Ray Train report {self._rounds} not stored: {type(e).__name__}: {e}")
+        name = None if checkpoint is None else _dir_name(checkpoint.path)
+        # Committed: stored, and its parts uploaded, once this poll's reports say whose they
+        # are (after_worker_group_poll_status, called next with the same poll).
+        self._pending.append((self._rounds, time.time(), list(metrics), name))
         self._rounds += 1
 
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        self._nodes = [w.placement_group_bundle_index or 0 for w in worker_group.get_workers()]
+        self._parts = {}
+
+    def _commit(self) -> None:
+        """Each round Train collected: stored with the nodes that wrote a part of its
+        checkpoint, and those nodes' uploaders told to upload their part (never waited on)."""
+        for index, at, metrics, name in self._pending:
+            parts = sorted(self._parts.pop(name, ())) if name else None
+            if self._writer is not None:
+                try:
+                    self._writer.add(train_round(index, at, metrics, name, parts))
+                except Exception as e:  # never the run's failure: a report we could not read
+                    _say(f"Ray Train report {index} not stored: {type(e).__name__}: {e}")
+            if name and self._uploads:
+                for rank in parts or ():
+                    self._tell_uploader(rank, name, parts or [])
+        self._pending = []
+
+    def _tell_uploader(self, rank: int, name: str, parts: list[int]) -> None:
+        try:
+            uploader = ray.get_actor(actor_names.checkpoint_uploader(self._job_id, rank),
+                                     namespace=actor_names.NAMESPACE)  # fmt: skip
+            uploader.train_committed.remote(name, parts)
+        except Exception as e:  # its node is gone: the checkpoint is not whole, a retry says
+            _say(f"Ray Train checkpoint {name}: rank {rank}'s uploader not told: {e}")
+
     def after_controller_finish(self, result: Any) -> None:
+        self._commit()
         if self._writer is not None:
             self._writer.close(FINISH_FLUSH_S)
 
@@ -238,6 +303,12 @@ class OrchestratorTrainCallback(
             self._writer.close(ABORT_FLUSH_S)
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        statuses = worker_group_status.worker_statuses
+        for i in range(len(statuses)):
+            report = statuses[i].training_report
+            if report is not None and report.checkpoint is not None and i < len(self._nodes):
+                self._parts.setdefault(_dir_name(report.checkpoint.path), set()).add(self._nodes[i])
+        self._commit()
         errors = worker_group_status.errors
         if errors:
             self._failures = {rank: _first_line(e) for rank, e in sorted(errors.items())}
@@ -253,6 +324,10 @@ class OrchestratorTrainCallback(
                 "the job's retries are (push --retries), so this attempt ends here"
             )
         )
+
+
+def _dir_name(path: Any) -> str:
+    return os.path.basename(str(path).rstrip("/"))
 
 
 def _first_line(error: BaseException) -> str:

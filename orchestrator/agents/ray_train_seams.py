@@ -25,6 +25,8 @@ RAY_TRAIN_CALLBACKS_ENV = "RAY_TRAIN_CALLBACKS"
 TRAIN_PG_ENV = "ORCHESTRATOR_TRAIN_PG"
 TRAIN_WORKERS_ENV = "ORCHESTRATOR_TRAIN_WORKERS"
 TRAIN_REPORTS_ROOT_ENV = "ORCHESTRATOR_TRAIN_REPORTS_ROOT"
+# The job's checkpointing_config.checkpoint_path, where Train's checkpoints go, if it is set.
+TRAIN_CHECKPOINT_PATH_ENV = "ORCHESTRATOR_TRAIN_CHECKPOINT_PATH"
 CALLBACK_PATH = "orchestrator.agents.ray_train_callback.OrchestratorTrainCallback"
 
 _TRAIN = "ray.train.v2._internal"
@@ -45,6 +47,14 @@ _SEAMS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (f"{_TRAIN}.execution.callback", "ReportCallback", ("after_report",)),
     (f"{_TRAIN}.execution.failure_handling", "FailureDecision", ("RETRY",)),
     ("ray.train.v2.api.exceptions", "ControllerError", ()),
+    # The trainer whose fit() makes RAY_TRAIN_CALLBACKS's callbacks (`calling_trainer`).
+    ("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer",
+     ("_create_default_callbacks",)),
+    # The run's snapshot, as a retried attempt's is written (`resume_snapshot`).
+    (f"{_TRAIN}.execution.checkpoint.checkpoint_manager", "_CheckpointManagerState",
+     ("model_fields",)),
+    (f"{_TRAIN}.execution.checkpoint.checkpoint_manager", "_TrainingResultState",
+     ("model_fields",)),
 )  # fmt: skip
 # Parameters we pass by name: their absence would be a TypeError inside Train's controller.
 _PARAMETERS: dict[tuple[str, str], tuple[str, ...]] = {
@@ -65,8 +75,9 @@ class RayTrainSeamsMissing(RuntimeError):
     def __init__(self, version: str, missing: list[str]) -> None:
         super().__init__(
             f"this Ray ({version}) lacks what orchestrator runs a Ray Train job with: "
-            f"{'; '.join(missing)}. Install the Ray version orchestrator's pyproject.toml pins, "
-            "or run the job without ray_train (its start_commands as plain commands)"
+            f"{'; '.join(missing)}. Ray Train jobs run on Ray 2.60 (the newest of the "
+            "supported range): install it, or run the job without ray_train (its "
+            "start_commands as plain commands)"
         )
         self.version, self.missing = version, missing
 
@@ -84,6 +95,9 @@ class RayTrainSeams:
     ReportCallback: type
     FailureDecision: Any
     ControllerError: type
+    DataParallelTrainer: type
+    _CheckpointManagerState: type
+    _TrainingResultState: type
 
 
 def find_seams(
@@ -115,6 +129,36 @@ def find_seams(
     if missing:
         raise RayTrainSeamsMissing(version or _ray_version(), list(dict.fromkeys(missing)))
     return RayTrainSeams(**found)
+
+
+def calling_trainer() -> Any | None:
+    """The trainer whose `fit()` is making its callbacks now (Train makes RAY_TRAIN_CALLBACKS's
+    in `DataParallelTrainer._create_default_callbacks`), before anything has read its
+    RunConfig; None when the callback was made some other way."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "_create_default_callbacks":
+            trainer = frame.f_locals.get("self")
+            if hasattr(trainer, "run_config"):
+                return trainer
+        frame = frame.f_back
+    return None
+
+
+def resume_snapshot(found: RayTrainSeams, checkpoint: str, metrics: dict[str, Any],
+                    report_index: int) -> str:  # fmt: skip
+    """Train's run snapshot (`checkpoint_manager_snapshot.json`) for a run that resumes from
+    `checkpoint` alone, reported as round `report_index` with `metrics`: what a retried
+    attempt's `ray.train.get_checkpoint()` then returns."""
+    result = found._TrainingResultState(checkpoint_dir_name=checkpoint, metrics=metrics)
+    state = found._CheckpointManagerState(
+        checkpoint_results=[result], checkpoint_report_indices=[report_index],
+        latest_checkpoint_result=result, pending_training_results=[],
+        pending_validation_specs=[], current_report_index=report_index + 1,
+        validated_checkpoint_dir_names=[], timed_out_validation_checkpoint_dir_names=[],
+        failed_validation_checkpoint_dir_names=[],
+    )  # fmt: skip
+    return state.model_dump_json()
 
 
 def seams_missing() -> str | None:

@@ -18,7 +18,6 @@ from orchestrator.cli.options import RETRIES, RETRY_ON_FAILURE, StorageRootOptio
 from orchestrator.client.connection import storage
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import scheduling_timeout, store_job
-from orchestrator.client.support import check_retries
 from orchestrator.errors import OrchestratorError
 from orchestrator.storage.records import RetryPolicy
 
@@ -35,7 +34,6 @@ def run(
     submission_id = _submission_id()
     retry = RetryPolicy.resolve(retries, retry_on_failure)
     prepared = prepare_job(config)
-    check_retries(prepared.project.job, retry.retries)
     root = storage(storage_root)
     store_job(
         prepared, root, submission_id, _dashboard_url(), submitted_via="ray-job-submit",

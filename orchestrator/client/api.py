@@ -14,7 +14,6 @@ from orchestrator.client.jobs import JobHandle
 from orchestrator.client.overrides import Overrides
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import check_recreatable, recreate_job, submit
-from orchestrator.client.support import check_retries
 from orchestrator.client.workspace import write_archive
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
@@ -47,7 +46,6 @@ def push(
     except ValueError as e:
         raise OrchestratorError(str(e)) from None
     prepared = prepare_job(config, source_dir, overrides)
-    check_retries(prepared.project.job, retry.retries)
     connection = connect(address)
     store = JobStore(storage(storage_root))
     project = prepared.project

@@ -91,39 +91,6 @@ def _spot(job: TrainingJob) -> list[str]:
     return ["availability_model spot is recorded only: Ray places the job like any other"]
 
 
-TRAIN_CHECKPOINTS_UNBUILT = (
-    "Ray Train checkpoints are not built yet: orchestrator does not yet store what "
-    "ray.train.report(checkpoint=...) writes, nor resume from it"
-)
-
-
-def _train_checkpoints(job: TrainingJob) -> list[str]:
-    if job.ray_train is None or not job.runtime.checkpointing_config.enabled:
-        return []
-    return [
-        f"runtime.checkpointing_config.enabled with ray_train: {TRAIN_CHECKPOINTS_UNBUILT}; "
-        "run it without checkpointing_config for now"
-    ]
-
-
-def ray_train_retries(job: TrainingJob, retries: int) -> str | None:
-    """Why push refuses `retries` for this job (a retry of a Ray Train job would start it anew
-    with no checkpoint to resume from), or None."""
-    if job.ray_train is None or retries <= 0:
-        return None
-    return (
-        f"retries ({retries}) of a ray_train job: {TRAIN_CHECKPOINTS_UNBUILT}, so a retry "
-        "would start training over; push it with --retries 0 (or ORCHESTRATOR_MAX_RETRIES=0)"
-    )
-
-
-def check_retries(job: TrainingJob, retries: int) -> None:
-    """UnsupportedFeatureError where the job cannot be retried yet (push and `run`, before
-    anything is created)."""
-    if refused := ray_train_retries(job, retries):
-        SupportReport(errors=(refused,), notices=()).raise_for_errors()
-
-
 def _train_seams(job: TrainingJob) -> list[str]:
     """A Ray whose Train lacks what orchestrator places the workers with (ray_train_seams.py)."""
     if job.ray_train is None:
@@ -155,7 +122,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
         "runtime.load_checkpoint_config.checkpoints[].typ", refused=True, find=_loops_checkpoints
     ),
     Unbuilt("compute.availability_model", refused=False, find=_spot),
-    Unbuilt("runtime.checkpointing_config.enabled", refused=True, find=_train_checkpoints),
 )
 
 

@@ -13,7 +13,7 @@ from orchestrator.agents.checkpoint_uploader import CheckpointUploader
 from orchestrator.agents.messages import StoredCheckpoint
 from orchestrator.agents.node_agent import uploader_name
 from orchestrator.agents.services import NAMESPACE, actor_class
-from orchestrator.controller.resume_point import resume_point
+from orchestrator.controller.resume_point import TrainCommit, resume_point, train_resume_point
 from orchestrator.errors import CheckpointNotFound, JobNotFound, RestoreFailed
 from orchestrator.node.rank_writes import RankWrites
 from orchestrator.spec.checkpoints import (
@@ -25,6 +25,7 @@ from orchestrator.storage.checkpoints import CheckpointStore, Manifest
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.records import CheckpointEntry, CheckpointSummary, JobRecord
 from orchestrator.storage.root import StorageRoot
+from orchestrator.storage.train_reports import TrainRun, read_train_runs
 
 # How often the uploaders are asked: also how old a lost rank's last word can be
 # (controller/resume_point.py waits QUIET_MARGIN_S past another rank's checkpoint for it).
@@ -137,6 +138,7 @@ class Uploaders:
         `bundle(rank)`: the scheduling strategy that puts an actor in that rank's bundle."""
         checkpointing = record.spec.job.runtime.checkpointing_config
         settings = record.checkpoint_upload.model_dump()
+        self.train_run = record.spec.job.ray_train is not None  # commits say what is whole
         self.actors = [
             actor_class(CheckpointUploader)
             .options(
@@ -157,6 +159,7 @@ class Uploaders:
                 settings,
                 checkpointing.volume_size_gib,
                 outage_s=record.storage.outage_s,
+                train_run=self.train_run,
             )
             for rank in range(group_size)
         ]
@@ -258,13 +261,24 @@ class Uploaders:
         if the job has one. RestoreFailed says which rank could not be put there, and why."""
         self.attempt = number
         manifests = self.store.list(self.project, self.job_id)
-        point = resume_point(manifests, self.writes, len(self.actors))
+        snapshot = None
+        if self.train_run:
+            commits = train_commits(read_train_runs(self.store.root, self.job_id), manifests)
+            point = train_resume_point(manifests, commits, len(self.actors))
+            snapshot = train_snapshot(point.commit)
+        else:
+            point = resume_point(manifests, self.writes, len(self.actors))
         self._said.append(
             _line(f"attempt {number} resumes from {point.name or 'the start'}: {point.why}")
         )
         refs = [
             actor.begin_attempt.remote(
-                number, point.copies.get(rank), point.newer.get(rank, []), point.top.get(rank)
+                number,
+                point.copies.get(rank),
+                point.newer.get(rank, []),
+                point.top.get(rank),
+                point.parts.get(rank, []),
+                snapshot if rank == 0 else None,
             )
             for rank, actor in enumerate(self.actors)
         ]
@@ -318,6 +332,33 @@ class Uploaders:
         found = {e.key for e in entries}
         entries += [e for key, e in self._earlier.items() if key not in found]
         return lines, CheckpointSummary.of(entries, unreachable)
+
+
+def train_commits(runs: list[TrainRun], manifests: list[Manifest] = ()) -> list[TrainCommit]:
+    """Every checkpoint Ray Train committed in the job's runs, as their stored rounds say, and
+    as the parts stored say (`Manifest.train_parts`): a round may be lost with the driver's
+    node (its writer stores rounds a second apart) after the uploaders had its commit."""
+    commits = {
+        r.checkpoint: TrainCommit(r.checkpoint, tuple(r.parts or ()), r.at, r.index,
+                                  dict(r.metrics))
+        for run in runs for r in run.reports if r.checkpoint
+    }  # fmt: skip
+    after = max((c.index for c in commits.values()), default=-1) + 1
+    for m in sorted(manifests, key=lambda m: m.created_at):
+        if m.train_parts and m.name not in commits:
+            commits[m.name] = TrainCommit(m.name, tuple(m.train_parts), m.created_at, after)
+            after += 1
+    return list(commits.values())
+
+
+def train_snapshot(commit: TrainCommit | None) -> str:
+    """Train's run snapshot for the next attempt, on the driver's node (rank 0): the commit
+    resumed from alone, so `ray.train.get_checkpoint()` returns it; "" (none) to start over."""
+    if commit is None:
+        return ""
+    from orchestrator.agents.ray_train_seams import resume_snapshot, seams  # Ray Train: here only
+
+    return resume_snapshot(seams(), commit.name, commit.metrics, commit.index)
 
 
 def _line(message: str) -> str:

@@ -20,6 +20,7 @@ written and uploaded. A rank lost before then is not known either way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from orchestrator.node.rank_writes import RankWrites
 from orchestrator.storage.checkpoints import Manifest
@@ -53,6 +54,51 @@ class ResumePoint:
     # rank -> the files at the top restored beside `name`, a directory (DeepSpeed's `latest`
     # pointer, Ray Train's snapshot: what a trainer reads to find the directory)
     top: dict[int, Manifest] = field(default_factory=dict)
+    # A Ray Train job's: rank -> the other nodes' parts of `name` put in beside its own, and
+    # the commit resumed from (what Train's snapshot for the next attempt says)
+    parts: dict[int, list[Manifest]] = field(default_factory=dict)
+    commit: TrainCommit | None = None
+
+
+@dataclass(frozen=True)
+class TrainCommit:
+    """One checkpoint Ray Train committed (every worker reported its round), as the job's
+    stored rounds say: the nodes whose workers wrote a part of it, and the round's metrics."""
+
+    name: str
+    parts: tuple[int, ...]
+    at: float
+    index: int  # the round's place in its run (Train's report index)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def train_resume_point(
+    manifests: list[Manifest], commits: list[TrainCommit], ranks: int
+) -> ResumePoint:
+    """Where a Ray Train job's attempt n+1 resumes: the newest checkpoint Train committed whose
+    every node's part is stored complete (whole), with every part put on every node. A
+    directory Train never committed is never one (its round was not every worker's); one whose
+    round was not stored (the driver's node lost first) is not known to be whole."""
+    stored = {(m.node_rank, m.name): m for m in manifests if m.complete and not m.top_level}
+    dirs = [m for m in manifests if not m.top_level]
+    for commit in sorted(commits, key=lambda c: c.at, reverse=True):
+        held = [stored.get((r, commit.name)) for r in commit.parts]
+        if not commit.parts or None in held:
+            continue
+        whole = [m for m in held if m is not None]
+        made = max(m.created_at for m in whole)
+        newer = {r: sorted({m.name for m in dirs if m.node_rank == r and m.name != commit.name
+                            and m.created_at > made}) for r in range(ranks)}  # fmt: skip
+        copies = {m.node_rank: m for m in whole if m.node_rank < ranks}
+        parts = {r: [m for m in whole if m.node_rank != r] for r in range(ranks)}
+        nodes = ", ".join(map(str, commit.parts))
+        why = (f"the newest checkpoint Ray Train committed whose every part is stored (node "
+               f"rank(s) {nodes} wrote one), put whole on every node")  # fmt: skip
+        return ResumePoint(commit.name, copies, newer, why, parts=parts, commit=commit)
+    every = {r: sorted({m.name for m in dirs if m.node_rank == r}) for r in range(ranks)}
+    why = ("no checkpoint Ray Train committed is stored whole" if commits
+           else "Ray Train committed no checkpoint")  # fmt: skip
+    return ResumePoint(None, {}, every, why)
 
 
 def role(rank: int, manifests: list[Manifest], writes: RankWrites | None) -> Role:

@@ -131,6 +131,24 @@ def open_for_writing(directory: Path) -> set[str]:
     return writing
 
 
+WARN_FRACTION = 0.9  # of volume_size_gib: said once
+
+
+def volume_use(directory: Path, rank: int, limit: int) -> tuple[str | None, str | None]:
+    """What the checkpoint directory's size says against volume_size_gib (`limit`, bytes): the
+    error when it is over, else a warning when it is near."""
+    if not directory.is_dir():
+        return None, None
+    used = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    gib = f"volume_size_gib={limit / 2**30:g}"
+    if used > limit:
+        return (f"checkpoint directory on rank {rank} holds {used / 2**30:.2f} GiB, over {gib}: "
+                "delete old checkpoints or raise volume_size_gib"), None  # fmt: skip
+    if used > WARN_FRACTION * limit:
+        return None, f"warning: checkpoint directory uses {used / 2**30:.2f} GiB of {gib}"
+    return None, None
+
+
 def earlier_checkpoints(directory: Path) -> dict[str, str]:
     """What a reused checkpoint directory holds as a job starts: name -> fingerprint.
 

@@ -58,6 +58,7 @@ class Tracked:
     restored: str | None = None  # the fingerprint of the stored version restored here
     gone: str | None = None  # deleted locally before it was stored: why it is not
     cut_off: str | None = None  # `seen`, cut off by its writer's end, is kept off a whole version
+    uncommitted: str | None = None  # a Ray Train directory the job ended without committing
     said: set[str] = field(default_factory=set)
 
 
@@ -90,6 +91,9 @@ class CheckpointTracker:
         self.said_earlier: set[str] = set()
         # (clean, wall time, how) once the rank's commands have ended: nothing settles after.
         self.writer_end: tuple[bool, float, str] | None = None
+        # A Ray Train job's: a directory is complete only once Train commits it (the uploader
+        # marks it then), never by settling, its writer's end or a later one of a series.
+        self.commit_only = False
         self.scans = 0  # scans begun
         self.sightings: dict[str, Sighting] = {}  # this job's checkpoints listed now
         # name -> the scan in which a later one of its series was first listed while a file of
@@ -110,6 +114,8 @@ class CheckpointTracker:
         assert t.seen is not None
         if t.seen.marked_complete:
             return MARKED
+        if self.awaits_commit(name):
+            return None
         if self.writer_end is not None:
             if self.writer_end[0]:
                 return WRITER_DONE
@@ -125,6 +131,10 @@ class CheckpointTracker:
         if any(f.path in self.open_writers for f in t.seen.files):
             return None
         return SETTLED
+
+    def awaits_commit(self, name: str) -> bool:
+        """A Ray Train checkpoint directory: complete only once committed (marked)."""
+        return self.commit_only and not self.places.is_top(name)
 
     @staticmethod
     def ready(t: Tracked, why: str | None) -> None:
@@ -225,9 +235,10 @@ class CheckpointTracker:
         settle_s (one whose first storage lookup waits out an outage)."""
         quiet_since = time.monotonic() - self.settings.settle_s
         return [
-            t for t in list(self.tracked.values())
+            t for name, t in list(self.tracked.items())
             if t.gone is None and t.seen is not None and t.seen.files and not self.is_current(t)
-            and (t.ready is not None or t.failed is not None or t.changed_at <= quiet_since)
+            and (t.ready is not None or t.failed is not None
+                 or (t.changed_at <= quiet_since and not self.awaits_commit(name)))
         ]  # fmt: skip
 
     # --- what a scan notices -------------------------------------------------------------------
@@ -372,6 +383,8 @@ class CheckpointTracker:
             entry.state, entry.reason = "deleted", t.gone or "deleted by the job"
         elif t.cut_off is not None:
             entry.state, entry.reason = "incomplete", t.cut_off
+        elif t.uncommitted is not None:
+            entry.state, entry.reason = "ignored", t.uncommitted
         elif emptied:
             entry.state, entry.reason = "ignored", "an empty directory: nothing to upload"
         elif t.failed:

@@ -59,6 +59,9 @@ class Manifest(BaseModel):
     source: str | None = None  # fingerprint of the local directory it was uploaded from
     # Its files were the top-level files of $BT_CHECKPOINT_DIR: a retry restores them there.
     top_level: bool = False
+    # A Ray Train checkpoint's part: the node ranks whose workers wrote a part of it, as Train's
+    # commit said (whole once each has stored its part).
+    train_parts: list[int] | None = None
 
     @property
     def key(self) -> str:
@@ -175,6 +178,7 @@ class CheckpointStore:
         incomplete_reason: str | None = None,
         name: str | None = None,
         top_level: bool = False,
+        train_parts: list[int] | None = None,
     ) -> Manifest:
         """Upload a local checkpoint as a new version, files in parallel, then commit it.
         `name`: the checkpoint's, `local_dir.name` unless given (the top-level files').
@@ -205,7 +209,7 @@ class CheckpointStore:
             size_bytes=sum(f.size for f in files), created_at=time.time(),
             checkpoint_type=kind, lora_rank=lora_rank, version=version,
             complete=incomplete_reason is None, incomplete_reason=incomplete_reason,
-            source=seen.fingerprint, top_level=top_level,
+            source=seen.fingerprint, top_level=top_level, train_parts=train_parts,
         )  # fmt: skip
         self._commit(manifest)
         if replaces is not None:

@@ -43,6 +43,8 @@ class TrainReport(Stored):
     # (their world rank when every worker reports).
     workers: dict[int, dict[str, Value]] = Field(default_factory=dict)
     checkpoint: str | None = None  # the checkpoint directory's name, if the round saved one
+    # The node ranks whose workers wrote a part of it: it is whole once each has stored its part
+    parts: list[int] | None = None
 
 
 class TrainRunHeader(Stored):
@@ -111,12 +113,13 @@ def _plain(value: Any) -> Value | None:
 
 
 def train_round(index: int, at: float, per_worker: Sequence[Mapping[str, Any]],
-                checkpoint: str | None) -> TrainReport:  # fmt: skip
+                checkpoint: str | None, parts: list[int] | None = None) -> TrainReport:  # fmt: skip
     """A round from what Train hands `after_report`: every worker's metrics dict, in order."""
     plain = [plain_metrics(m) for m in per_worker]
     first = plain[0] if plain else {}
     workers = {i: m for i, m in enumerate(plain) if i and m != first}
-    return TrainReport(index=index, at=at, metrics=first, workers=workers, checkpoint=checkpoint)
+    return TrainReport(index=index, at=at, metrics=first, workers=workers, checkpoint=checkpoint,
+                       parts=parts)  # fmt: skip
 
 
 def read_train_runs(root: StorageRoot, job_id: str) -> list[TrainRun]:
