@@ -15,7 +15,12 @@ from pydantic import ValidationError
 from test_cli_checkpoints import cli
 
 from orchestrator import definitions as d
-from orchestrator.agents.rank_program import CommandsProgram, RayTrainProgram, program_for
+from orchestrator.agents.rank_program import (
+    CommandsProgram,
+    RayTrainProgram,
+    program_for,
+    worker_rank,
+)
 from orchestrator.agents.ray_train_seams import CALLBACK_PATH
 from orchestrator.client.job_summary import describe_job
 from orchestrator.client.prepare import prepare_job
@@ -118,6 +123,21 @@ def test_rank_0_runs_the_driver_with_trains_variables_the_others_nothing(tmp_pat
     rank1 = [line.split("] ", 1)[1] for line in logs if line.startswith("[rank 1 ")]
     assert rank1 == ["Ray Train runs from rank 0: this rank runs nothing, its node's share "
                      "stays reserved in the job's placement group for Train's workers"]  # fmt: skip
+
+
+def test_each_train_workers_lines_carry_its_rank_once_the_callback_said_the_pids():
+    pids: dict[str, str] = {}
+    said = (
+        "[rank 0 08:00:00] \x1b[36m(TrainController pid=9)\x1b[0m orchestrator: Ray Train "
+        "workers: rank 0 is pid 123 on node rank 0; rank 1 is pid 456 on node rank 1"
+    )
+    assert worker_rank(said, pids) == said and pids == {"123": "0", "456": "1"}
+    line = "[rank 0 08:00:01] \x1b[36m(RayTrainWorker pid=456, ip=10.0.0.2)\x1b[0m step 3"
+    assert worker_rank(line, pids) == (
+        "[rank 0 08:00:01] \x1b[36m(RayTrainWorker rank 1 pid=456, ip=10.0.0.2)\x1b[0m step 3"
+    )
+    unknown = "[rank 0 08:00:01] (RayTrainWorker pid=999, ip=10.0.0.2) a worker of another run"
+    assert worker_rank(unknown, pids) == unknown
 
 
 # --- on a simulated cluster ----------------------------------------------------------------------

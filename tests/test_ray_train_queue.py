@@ -256,7 +256,7 @@ def test_a_train_jobs_workers_use_what_the_queue_admitted_and_count_in_its_teams
         row = waiting_row()
         assert (row["state"], row["team"]) == ("queued", "vision"), row
         assert at_quota in row["reason"], row
-        assert second.status() == JobState.PENDING
+        eventually(lambda: second.status() == JobState.PENDING, "the second's record PENDING", 30)
         assert at_quota in (second.details().history[-1].reason or "")
         use = capacity(storage_root=storage_root)["teams"]
         assert use["vision"]["in_use"]["GPU:H100"] == 4 and use["vision"]["jobs_running"] == 1

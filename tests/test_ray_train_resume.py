@@ -134,13 +134,17 @@ def test_a_lost_node_resumes_every_worker_from_the_newest_whole_checkpoint(
     assert start >= 3, resumed
     assert resumed == {r: (start, f"{r}@{start - 1}") for r in (0, 1)}, resumed
     assert "worker 0 step 11" in text and "trained" in text, text
-    # Every checkpoint stored is one Train committed, each with both nodes' parts (Train's names).
-    names = {m.name for m in job.checkpoints() if not m.top_level}
-    assert names and all(n.startswith("checkpoint_") for n in names), names
-    parts = {(m.node_rank, m.name) for m in job.checkpoints() if not m.top_level}
+    # Each worker's lines carry its rank (the callback says which pid is which).
+    assert re.search(r"\(RayTrainWorker rank 1 pid=\d+[^)]*\)\S* worker 1 step \d+", text), text
+    # Every checkpoint stored is one Train committed (Train's names), each part saying so with
+    # the nodes that wrote one; the rounds stored say so too, but for the last ones of a driver
+    # whose node crashed (its writer stores rounds a second apart).
+    stored = [m for m in job.checkpoints() if not m.top_level]
+    assert stored and all(m.name.startswith("checkpoint_") for m in stored), stored
+    assert all(m.train_parts == [0, 1] for m in stored), stored
     committed = [r.checkpoint for run in job.metrics().train_reports for r in run.reports]
-    assert {n for _, n in parts} <= set(committed), (parts, committed)
-    assert second.resumed_from in committed
+    assert len({m.name for m in stored} - set(committed)) <= (2 if lost_rank == 0 else 0)
+    assert second.resumed_from in {m.name for m in stored}
     assert any("[checkpoints] attempt 1 resumes from checkpoint_" in line
                and "Ray Train committed" in line for line in logs), logs  # fmt: skip
     eventually(lambda: not leftovers(job, faults), "the job's actors and placement group to go")

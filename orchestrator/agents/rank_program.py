@@ -12,6 +12,7 @@ agents then hold none of it (controller/plan.py, `RankPlan.agent_share`).
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -194,7 +195,27 @@ class RayTrainProgram:
         # RAY_DEDUP_LOGS of the job's own wins).
         env = {"RAY_DEDUP_LOGS": "0", **context.env,
                **self.driver_environment(context.env, context.storage_url)}  # fmt: skip
-        yield from context.runner.run(
+        pids: dict[str, str] = {}  # a Train worker's pid -> its world rank, as Train set them
+        for item in context.runner.run(
             self.commands, env, context.cwd, context.mask,
             before_end=context.before_end, runtime=context.runtime,
-        )  # fmt: skip
+        ):  # fmt: skip
+            if isinstance(item, OutputLines):
+                item = OutputLines([worker_rank(line, pids) for line in item.lines], item.continues)
+            yield item
+
+
+WORKERS_SAID = "Ray Train workers:"  # the callback's line, from Train's controller (its pids)
+_WORKER_PID = re.compile(r"rank (\d+) is pid (\d+)")
+_WORKER_PREFIX = re.compile(r"\(RayTrainWorker pid=(\d+)")
+
+
+def worker_rank(line: str, pids: dict[str, str]) -> str:
+    """A Train worker's line with its world rank in Ray's prefix: `(RayTrainWorker rank 1
+    pid=456, ip=...)`; the callback's line of the workers' pids teaches `pids`."""
+    if WORKERS_SAID in line:
+        pids.update({pid: rank for rank, pid in _WORKER_PID.findall(line)})
+        return line
+    return _WORKER_PREFIX.sub(
+        lambda m: f"(RayTrainWorker rank {pids[m[1]]} pid={m[1]}" if m[1] in pids else m[0], line
+    )

@@ -32,6 +32,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
 from orchestrator import actor_names
+from orchestrator.agents.rank_program import WORKERS_SAID
 from orchestrator.agents.ray_train_seams import (
     TRAIN_CHECKPOINT_PATH_ENV,
     TRAIN_PG_ENV,
@@ -267,8 +268,14 @@ class OrchestratorTrainCallback(
         self._rounds += 1
 
     def after_worker_group_start(self, worker_group: Any) -> None:
-        self._nodes = [w.placement_group_bundle_index or 0 for w in worker_group.get_workers()]
+        workers = worker_group.get_workers()  # by world rank
+        self._nodes = [w.placement_group_bundle_index or 0 for w in workers]
         self._parts = {}
+        # Which pid is which rank: the job's log puts the rank in each worker's lines.
+        _say(f"{WORKERS_SAID} " + "; ".join(
+            f"rank {i} is pid {w.metadata.pid} on node rank {self._nodes[i]}"
+            for i, w in enumerate(workers)
+        ))  # fmt: skip
 
     def _commit(self) -> None:
         """Each round Train collected: stored with the nodes that wrote a part of its
