@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,7 +334,7 @@ class Uploaders:
         return lines, CheckpointSummary.of(entries, unreachable)
 
 
-def train_commits(runs: list[TrainRun], manifests: list[Manifest] = ()) -> list[TrainCommit]:
+def train_commits(runs: list[TrainRun], manifests: Sequence[Manifest] = ()) -> list[TrainCommit]:
     """Every checkpoint Ray Train committed in the job's runs, as their stored rounds say, and
     as the parts stored say (`Manifest.train_parts`): a round may be lost with the driver's
     node (its writer stores rounds a second apart) after the uploaders had its commit."""
