@@ -133,9 +133,9 @@ def test_an_earlier_jobs_file_at_the_top_is_not_uploaded_until_this_job_changes_
     nanogpt_save(local, 5000)  # last week's run, same out_dir
     up = uploader(root, local, settle_s=0, earlier=earlier_checkpoints(local))
     scanned(up)
-    wait_until(lambda: any("skipping top-level" in e for e in up.poll(0).events), "the skip")
+    wait_until(lambda: any("skipping top-level" in e for e in up.poll().events), "the skip")
     assert names(root) == []
-    assert up.poll(0).writes.wrote is None, "an earlier job's file is not this rank writing"
+    assert up.poll().writes.wrote is None, "an earlier job's file is not this rank writing"
     nanogpt_save(local, 10)  # this job's first evaluation
     result = up.flush(timeout=30, clean=True)
     assert states(result) == {"top-level": "uploaded"}
@@ -237,18 +237,24 @@ def test_a_cut_off_rewrite_never_replaces_the_whole_stored_version(tmp_path, mon
 
 def test_a_replacement_node_gets_the_files_back_at_their_paths(tmp_path, monkeypatch):
     """Rank 0's node was lost: its new uploader restores ckpt.pt into $BT_CHECKPOINT_DIR itself,
-    where `--init_from=resume` reads it, and does not store it again."""
+    where `--init_from=resume` reads it, and does not store it again. The controller, polling
+    with the lost uploader's cursor, reads the new one's events from their start (the restore
+    was lost from the job's log once the new list had grown past the old cursor)."""
     monkeypatch.setenv(NODE_ROOT_ENV, str(tmp_path / "node"))
     root = StorageRoot(tmp_path / "root")
     store = CheckpointStore(root)
     first = uploader(root, tmp_path / "lost", settle_s=0)
     nanogpt_save(tmp_path / "lost", 42)
     wait_until(lambda: names(root) == ["top-level"], "ckpt.pt stored")
+    wait_until(lambda: first.poll().next.index >= 1, "the upload said")
+    cursor = first.poll().next
     first._stop.set()  # gone with its node
     manifest = store.manifest("p", "j", 0, "top-level")
     up = uploader(root, tmp_path / "new", settle_s=0)
     up.begin_attempt(1, manifest, [])
     assert torch.load(tmp_path / "new" / "ckpt.pt")["iter_num"] == 42
+    said = up.poll(cursor).events
+    assert any("restored rank-0/top-level from the storage root" in e for e in said), said
     scanned(up)
     result = up.flush(timeout=10, clean=True)
     assert states(result) == {"top-level": "uploaded"}

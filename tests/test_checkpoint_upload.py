@@ -46,8 +46,8 @@ def scanned(up: CheckpointUploader, scans: int = 3) -> None:
     """Wait until `up` has finished `scans` more scans (at least two begun after this call):
     what it has not uploaded by then it did not upload on sight. A wait on its own counter, not
     on a clock, so a loaded machine cannot make an absence check pass too early."""
-    start = up.poll(0).scans
-    wait_until(lambda: up.poll(0).scans >= start + scans, f"{scans} more scans")
+    start = up.poll().scans
+    wait_until(lambda: up.poll().scans >= start + scans, f"{scans} more scans")
 
 
 def uploader(root: StorageRoot, local: Path, rank: int = 0, earlier=None, **settings):
@@ -187,12 +187,12 @@ def test_volume_size_warns_then_reports_over(tmp_path):
     with open(local / "big.bin", "wb") as f:
         f.truncate(int(0.95 * gib))
     up = CheckpointUploader("p", "j", 0, root.url, str(local), {"settle_s": 3600}, 1, {})
-    wait_until(lambda: any("warning" in e for e in up.poll(0).events), "the warning")
-    assert up.poll(0).over_volume is None
+    wait_until(lambda: any("warning" in e for e in up.poll().events), "the warning")
+    assert up.poll().over_volume is None
     with open(local / "big2.bin", "wb") as f:
         f.truncate(int(0.1 * gib))
-    wait_until(lambda: up.poll(0).over_volume, "the over-volume error")
-    assert "over volume_size_gib=1" in up.poll(0).over_volume
+    wait_until(lambda: up.poll().over_volume, "the over-volume error")
+    assert "over volume_size_gib=1" in up.poll().over_volume
     up._stop.set()
 
 

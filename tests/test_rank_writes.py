@@ -50,8 +50,8 @@ def watch(tmp_path, monkeypatch):
 
 def quiet_past(up: CheckpointUploader, moment: float) -> RankWrites:
     """Its report once its quiet spell reaches `moment` (it must, while nothing is written)."""
-    wait_until(lambda: any(s.until >= moment for s in up.poll(0).writes.quiet), "the spell")
-    return up.poll(0).writes
+    wait_until(lambda: any(s.until >= moment for s in up.poll().writes.quiet), "the spell")
+    return up.poll().writes
 
 
 def test_an_empty_directory_is_a_quiet_spell_that_lasts_while_the_commands_run(watch):
@@ -61,10 +61,10 @@ def test_an_empty_directory_is_a_quiet_spell_that_lasts_while_the_commands_run(w
     assert report.wrote is None and len(report.quiet) == 1
     assert report.quiet[0].since <= began
     up.writer_ended(False, "rank 1's command exited with code 1", at=began + 0.7)
-    ended = up.poll(0).writes.quiet[0]
+    ended = up.poll().writes.quiet[0]
     assert ended.until <= began + 0.7  # no later than the commands' end
     time.sleep(0.3)  # the watch goes on; the spell must not
-    assert up.poll(0).writes.quiet[0].until == ended.until
+    assert up.poll().writes.quiet[0].until == ended.until
 
 
 @pytest.mark.parametrize(
@@ -82,13 +82,13 @@ def test_anything_the_rank_writes_makes_it_a_writer(watch, tmp_path, entry):
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"state")
-    wait_until(lambda: up.poll(0).writes.wrote is not None, f"{entry} seen")
-    report = up.poll(0).writes
+    wait_until(lambda: up.poll().writes.wrote is not None, f"{entry} seen")
+    report = up.poll().writes
     assert report.wrote == entry.split("/")[0]
     assert report.quiet[0].until < report.wrote_at  # the spell ended before it
     until = report.quiet[0].until
     time.sleep(0.3)
-    assert up.poll(0).writes.quiet[0].until == until
+    assert up.poll().writes.quiet[0].until == until
 
 
 def test_a_directory_made_and_deleted_between_two_scans_is_still_seen(watch, tmp_path):
@@ -97,7 +97,7 @@ def test_a_directory_made_and_deleted_between_two_scans_is_still_seen(watch, tmp
     with up._lock:  # no scan runs meanwhile
         (tmp_path / "ckpt" / ".staging").mkdir()
         (tmp_path / "ckpt" / ".staging").rmdir()
-    wait_until(lambda: up.poll(0).writes.wrote == ".staging", "the vanished directory")
+    wait_until(lambda: up.poll().writes.wrote == ".staging", "the vanished directory")
 
 
 def test_an_earlier_jobs_checkpoint_and_another_ranks_restored_copy_are_not_the_ranks(
@@ -121,7 +121,7 @@ def test_an_earlier_jobs_checkpoint_and_another_ranks_restored_copy_are_not_the_
     assert report.wrote is None
     assert report.quiet[-1].since >= before  # the attempt's own spell
     (local / "checkpoint-6" / "state.pt").write_bytes(b"changed by this rank")
-    wait_until(lambda: up.poll(0).writes.wrote == "checkpoint-6", "the copy made its own")
+    wait_until(lambda: up.poll().writes.wrote == "checkpoint-6", "the copy made its own")
 
 
 def test_an_attempt_begins_a_new_spell_and_sets_aside_a_copy_it_no_longer_resumes_from(
@@ -152,9 +152,9 @@ def test_a_restarted_uploader_reports_no_quiet_spell_before_its_attempt_begins(w
     rank until the next attempt's commands run."""
     monkeypatch.setattr(checkpoint_uploader, "_restarted", lambda: True)
     up = watch()
-    scans = up.poll(0).scans
-    wait_until(lambda: up.poll(0).scans >= scans + 5, "five scans of the empty directory")
-    assert up.poll(0).writes.quiet == ()
+    scans = up.poll().scans
+    wait_until(lambda: up.poll().scans >= scans + 5, "five scans of the empty directory")
+    assert up.poll().writes.quiet == ()
     began = time.time()
     up.begin_attempt(1, None, [])
     report = quiet_past(up, began + 0.2)

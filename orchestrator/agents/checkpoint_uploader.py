@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from orchestrator.agents.messages import StoredCheckpoint, UploaderFlush, UploaderPoll
+from orchestrator.agents.messages import (
+    EventCursor,
+    StoredCheckpoint,
+    UploaderFlush,
+    UploaderPoll,
+)
 from orchestrator.node import train_checkpoints
 from orchestrator.node.checkpoint_rules import read_earlier_checkpoints, top_level, volume_use
 from orchestrator.node.checkpoint_tracking import RENAMED, SETTLED, CheckpointTracker, Tracked
@@ -61,6 +67,7 @@ class CheckpointUploader:
         `train_run`: a Ray Train job's, whose directories are complete once Train commits them."""
         self.project, self.job_id, self.rank = project, job_id, rank
         self.events: list[str] = []
+        self.incarnation = uuid.uuid4().hex  # a restarted uploader's events are a new list
         retry = StorageRetry(storage_root, outage_s, say=self._event)
         self.store = CheckpointStore(StorageRoot(storage_root, retry))
         self.dirs = dirs = RankDirs.of(job_id, rank)
@@ -100,12 +107,13 @@ class CheckpointUploader:
         starts the commands only then."""
         return self._started.wait(timeout)
 
-    def poll(self, since: int) -> UploaderPoll:
-        """Events after index `since`, and whether the directory is over its volume size."""
-        if since > len(self.events):  # a restarted uploader starts a new list
-            since = 0
+    def poll(self, since: EventCursor | None = None) -> UploaderPoll:
+        """Events after the cursor `since` (all when it is another incarnation's), and whether
+        the directory is over its volume size."""
+        start = since.start_in(self.incarnation) if since is not None else 0
         return UploaderPoll(
-            self.events[since:], len(self.events), self.over_volume, self._scans_done,
+            self.events[start:], EventCursor(self.incarnation, len(self.events)),
+            self.over_volume, self._scans_done,
             self._last_stored, self.tracker.writes(),
         )  # fmt: skip
 
@@ -164,7 +172,9 @@ class CheckpointUploader:
                 self._scan(final=True, deadline=deadline)
         finally:
             retry.give_up_at = None
-        return UploaderFlush(self.tracker.entries(), self.events, self.tracker.writes())
+        return UploaderFlush(
+            self.tracker.entries(), self.events, self.tracker.writes(), self.incarnation
+        )
 
     def begin_attempt(
         self, number: int, resume: Manifest | None, newer: list[str], top: Manifest | None = None,

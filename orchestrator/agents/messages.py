@@ -180,11 +180,25 @@ class StoredCheckpoint:
 
 
 @dataclass(frozen=True)
+class EventCursor:
+    """Where the controller is in one uploader's event list. A restarted uploader (its node
+    was lost) starts a new list under a new `incarnation`: a cursor of the old one reads the
+    new list from its start, however long that list has grown by the first poll."""
+
+    incarnation: str = ""
+    index: int = 0
+
+    def start_in(self, incarnation: str) -> int:
+        """The index to read `incarnation`'s list from."""
+        return self.index if incarnation == self.incarnation else 0
+
+
+@dataclass(frozen=True)
 class UploaderPoll:
     """A rank's checkpoint uploader while the job runs: its events since the cursor."""
 
     events: list[str]
-    next: int  # the cursor for the next poll
+    next: EventCursor  # the cursor for the next poll
     over_volume: str | None = None  # the checkpoint directory is over volume_size_gib: why
     scans: int = 0  # scans of the directory completed: what "nothing happened yet" waits on
     last_stored: StoredCheckpoint | None = None  # the newest checkpoint it stored complete
@@ -196,8 +210,9 @@ class UploaderFlush:
     """What became of every name the uploader found, once the commands ended."""
 
     entries: list[CheckpointEntry]
-    events: list[str]
+    events: list[str]  # all of this incarnation's
     writes: RankWrites | None = None  # what it has seen the rank write, to the commands' end
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from orchestrator.agents.checkpoint_uploader import CheckpointUploader
-from orchestrator.agents.messages import StoredCheckpoint
+from orchestrator.agents.messages import EventCursor, StoredCheckpoint, UploaderFlush
 from orchestrator.agents.node_agent import uploader_name
 from orchestrator.agents.services import NAMESPACE, actor_class
 from orchestrator.controller.resume_point import TrainCommit, resume_point, train_resume_point
@@ -164,7 +164,7 @@ class Uploaders:
             for rank in range(group_size)
         ]
         self.flush_timeout_s = record.checkpoint_upload.flush_timeout_s
-        self._cursors = [0] * len(self.actors)
+        self._cursors = [EventCursor()] * len(self.actors)
         self._last_poll = 0.0
         self.last_stored: dict[int, StoredCheckpoint] = {}  # rank -> its newest stored
         # What earlier attempts' ends found, by "rank-N/name": a lost node's uploader starts
@@ -233,7 +233,7 @@ class Uploaders:
             except Exception as e:
                 lines.append(f"[rank {rank}] [checkpoints] uploader unreachable: {e}")
                 continue
-            lines += self._unread(rank, result.events)
+            lines += self._unread(rank, result)
             self._earlier.update({entry.key: entry for entry in result.entries})
             self._note(rank, result.writes)
         return lines
@@ -294,11 +294,11 @@ class Uploaders:
                 raise RestoreFailed(f"{what} before attempt {number} failed: {e}") from e
         return point.name
 
-    def _unread(self, rank: int, events: list[str]) -> list[str]:
+    def _unread(self, rank: int, result: UploaderFlush) -> list[str]:
         """The events of `rank` not said yet (all of a restarted uploader's new list)."""
-        cursor = self._cursors[rank] if self._cursors[rank] <= len(events) else 0
-        self._cursors[rank] = len(events)
-        return events[cursor:]
+        start = self._cursors[rank].start_in(result.incarnation)
+        self._cursors[rank] = EventCursor(result.incarnation, len(result.events))
+        return result.events[start:]
 
     def writer_ended(self, ending: RankEnding) -> None:
         """Tell a rank's uploader at once that its commands ended (not waited for), unless
@@ -327,7 +327,7 @@ class Uploaders:
             except Exception as e:
                 unreachable[f"rank-{rank}"] = f"uploader unreachable: {type(e).__name__}"
                 continue
-            lines += self._unread(rank, result.events)
+            lines += self._unread(rank, result)
             entries += result.entries
         found = {e.key for e in entries}
         entries += [e for key, e in self._earlier.items() if key not in found]
