@@ -16,7 +16,7 @@ LAYERS = [
     {"storage", "cluster"},
     {"node"},
     {"agents"},
-    {"scheduler", "serving"},
+    {"scheduler", "serving", "books"},
     {"controller"},
     {"client"},
     {"cli", "__main__", "__init__"},

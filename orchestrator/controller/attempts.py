@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from orchestrator.agents.messages import MetricsRequest
 from orchestrator.agents.rank_program import StartRequest
@@ -347,12 +348,20 @@ class Attempts:
         attempts = list(job.status.attempts)
         if not attempts:
             return
-        updates = {"ended_at": time.time(), "decision": decision}
+        updates: dict[str, Any] = {"ended_at": time.time(), "decision": decision}
+        if (stored := self._stored_since(attempts[-1].started_at)) is not None:
+            updates["checkpoint_at"] = stored
         if fault is not None:
             updates.update(cause=fault.kind.value, reason=fault.reason, rank=fault.rank,
                            node_id=fault.node_id)  # fmt: skip
         attempts[-1] = attempts[-1].model_copy(update=updates)
         job.amend(attempts=attempts)
+
+    def _stored_since(self, started_at: float) -> float | None:
+        """When the newest checkpoint any rank stored complete since `started_at` was stored."""
+        uploaders = self.group.uploaders
+        stored = [] if uploaders is None else uploaders.last_stored.values()
+        return max((s.at for s in stored if s.at >= started_at), default=None)
 
     def _final_failure(self, end: AttemptEnd, decision: FailureDecision) -> Failure:
         assert end.fault is not None and end.failure is not None

@@ -152,6 +152,7 @@ class JobController:
 
     def requeue(self, reason: str, keep_checkpoints: bool, plan: GroupPlan) -> None:
         self._nodes.release(keep_checkpoints=keep_checkpoints)  # what is unstored stays there
+        self.deployment.release_hold()
         self._nodes = self.make_nodes(self.record, self.job_run.say)
         self.job_run.transition(JobState.PENDING, f"{reason}; back in the queue")
         # Not a call to go on without: an entry still admitted (and marked preempted) would be
@@ -259,6 +260,7 @@ class JobController:
     def _release(self) -> None:
         summary = self.job_run.status.checkpoints
         self._nodes.release(keep_checkpoints=summary is None or not summary.all_uploaded)
+        self.deployment.release_hold()
 
 
 def run_controller(job_id: str, storage_root: str, scheduling_timeout_s: float) -> int:

@@ -7,6 +7,7 @@ The first start and a start after the queue preempted the job take one path
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from orchestrator.agents.messages import (
     PrepareRequest,
     WeightPlacement,
 )
+from orchestrator.books.cost import rates
 from orchestrator.controller.checkpointing import CheckpointNotFound, resolve_checkpoints
 from orchestrator.controller.job_nodes import JobNodes
 from orchestrator.controller.job_run import JobRun
@@ -29,10 +31,12 @@ from orchestrator.controller.training_cache import (
 )
 from orchestrator.controller.weights import WeightsUnavailable, mirror_weights, record_deliveries
 from orchestrator.lifecycle import JobState
+from orchestrator.scheduler.cluster_view import bundle_of
 from orchestrator.scheduler.reasons import never_fits_cause
 from orchestrator.storage.checkpoints import Manifest
 from orchestrator.storage.job_store import JobStore
-from orchestrator.storage.records import Failure
+from orchestrator.storage.prices import read_prices
+from orchestrator.storage.records import Failure, Hold
 from orchestrator.storage.weights import WeightSet
 
 
@@ -112,6 +116,27 @@ class Deployment:
     def leave_queue(self) -> None:
         self.queue_call(self.queue.release)
 
+    def release_hold(self) -> None:
+        """The job's nodes are let go of: the books stop counting what it held."""
+        holds = self.run.status.holds
+        if holds and holds[-1].until is None:
+            ended = holds[-1].model_copy(update={"until": time.time()})
+            self.run.amend(holds=[*holds[:-1], ended])
+
+    def _hold(self) -> None:
+        """Admitted: from now the job holds its nodes, at the cluster's prices now."""
+        record = self.run.record
+        try:
+            prices = rates(read_prices(self.store.root))
+        except Exception as e:  # the books lack a price; the job goes on
+            self.run.say(f"the cluster's prices could not be read ({short_error(e)}): "
+                         "this admission is costed at none")  # fmt: skip
+            prices = {}
+        compute = record.spec.job.compute
+        hold = Hold(since=time.time(), bundle=bundle_of(compute), nodes=compute.node_count,
+                    prices=prices)  # fmt: skip
+        self.run.amend(holds=[*self.run.status.holds, hold])
+
     # --- the steps ---------------------------------------------------------------------------
 
     def _pending(self, reason: str) -> None:
@@ -127,6 +152,7 @@ class Deployment:
             raise DeployFailed(Failure(cause=never_fits_cause(str(e)))) from None
         except (QueueTimeout, QueueUnavailable) as e:
             raise DeployFailed(Failure(cause=str(e))) from None
+        self._hold()
         if borrowed:
             self.run.say(
                 "admitted on idle capacity beyond team "

@@ -154,6 +154,20 @@ class Attempt(_Record):
     node_id: str | None = None  # the node lost or preempted
     resumed_from: str | None = None  # the checkpoint restored for it ("checkpoint-200")
     decision: str | None = None  # what followed, in words: "retried: why", "completed", ...
+    # When the newest checkpoint stored complete while it ran finished uploading: what a fault
+    # ending it cost is from there to its end (the books' lost time, books/usage.py).
+    checkpoint_at: float | None = None
+
+
+class Hold(_Record):
+    """What the job held from the queue's admission to the release of its nodes, as the queue
+    accounts it, and the cluster's prices then (a later price change never rewrites it)."""
+
+    since: float
+    until: float | None = None  # None: held now (or its controller died holding it)
+    bundle: dict[str, float]  # per node, in the queue's keys: CPU, memory (bytes), GPU:<type>
+    nodes: int = 1
+    prices: dict[str, float] = Field(default_factory=dict)  # per hour: GPU:<type>, CPU, memory
 
 
 class CheckpointEntry(_Record):
@@ -284,6 +298,7 @@ class JobStatus(_Record):
     weights: list[WeightsStatus] = Field(default_factory=list)
     cache: CacheStatus | None = None
     attempts: list[Attempt] = Field(default_factory=list)
+    holds: list[Hold] = Field(default_factory=list)  # each admission by the queue, in order
 
     @classmethod
     def new(cls, job_id: str, reason: str | None = None) -> JobStatus:
