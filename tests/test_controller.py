@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 from controller_fakes import KEEP_RUNNING, OpenQueue, fake_nodes
 
-from orchestrator.agents.messages import CommandsEnded
+from orchestrator.agents.messages import CommandsEnded, StoredCheckpoint
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.prepare import prepare_job
 from orchestrator.client.submit import store_job
 from orchestrator.controller.controller import JobController
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.job_store import JobStore
+from orchestrator.storage.prices import Prices, write_prices
 from orchestrator.storage.records import RetryPolicy
 from orchestrator.storage.root import StorageRoot
 
@@ -238,6 +239,40 @@ def test_a_lost_node_is_replaced_alone_and_the_next_attempt_resumes(job):
     )
     assert [n.prepared_for for n in status.nodes] == [0, 1]  # the survivor was not prepared again
     assert "==== attempt 1 (BT_RETRY_COUNT=1) ====" in "\n".join(handle.logs())
+
+
+def test_the_nodes_held_are_booked_from_admission_to_release_at_the_prices_then(job):
+    """One Hold per admission, at the cluster's prices when admitted; closed once the nodes
+    are let go of (after the final state); an attempt a fault ended records when its newest
+    checkpoint was stored, and its lost time runs from there."""
+    controller, nodes, handle = job(checkpointing=True, retry=RetryPolicy(retries=1))
+    root = handle._store.root
+    write_prices(root, Prices(gpu={"H100": 2.5}, cpu_hour=0.1))
+    nodes.endings = [KEEP_RUNNING, KEEP_RUNNING]
+    nodes.lose = {0: 1}
+    nodes.later_endings = [[CommandsEnded(exit_code=0)] * 2]
+    original_start = nodes.start
+
+    def start_then_store(requests, on_lines):  # rank 0 stores a checkpoint as attempt 0 runs
+        original_start(requests, on_lines)
+        if not nodes.uploaders.last_stored:
+            nodes.uploaders.last_stored = {0: StoredCheckpoint("checkpoint-1", time.time())}
+
+    nodes.start = start_then_store
+    assert controller.run() == JobState.COMPLETED
+    write_prices(root, Prices(cpu_hour=9.0))  # a later change rewrites nothing
+    status = handle.details()
+    (hold,) = status.holds
+    assert hold.since <= status.history[1].at and hold.until >= status.history[-1].at
+    assert hold.prices == {"GPU:H100": 2.5, "CPU": 0.1} and hold.nodes == 2
+    assert hold.bundle["CPU"] == 1.0
+    first, second = status.attempts
+    saved_at = nodes.uploaders.last_stored[0].at
+    assert first.checkpoint_at == saved_at and second.checkpoint_at is None  # none since
+    books = handle.usage()
+    assert books.usage.held_s == pytest.approx(hold.until - hold.since)
+    assert books.usage.cost == pytest.approx(2 * 1.0 * 0.1 * books.usage.held_s / 3600)
+    assert books.lost.held_s == pytest.approx(first.ended_at - saved_at)
 
 
 def test_a_failing_command_is_not_retried_without_retry_on_failure(job):

@@ -26,6 +26,7 @@ from orchestrator.cli import (
     cmd_stacks,
     cmd_stop,
     cmd_update,
+    cmd_usage,
     cmd_validate,
     cmd_view,
 )
@@ -62,6 +63,7 @@ app.command("deploy_checkpoints")(cmd_deploy.deploy_checkpoints)
 app.command("queue")(cmd_queue.queue)
 app.command("update")(cmd_update.update)
 app.command("events")(cmd_events.events)
+app.command("usage")(cmd_usage.usage)
 app.command("doctor")(cmd_doctor.doctor)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(checkpoints_app, name="checkpoints")

@@ -1,4 +1,5 @@
-"""`orchestrator capacity set|view`: teams' quotas, and what the cluster has and holds."""
+"""`orchestrator capacity set|view|price`: teams' quotas, what the cluster has and holds, and
+what an hour of it costs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from rich.table import Table
 
 from orchestrator.cli.options import StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, print_json, when
+from orchestrator.client.books import describe_prices, prices, set_prices
 from orchestrator.client.queue import accelerator_type, capacity, set_capacity
 from orchestrator.errors import ConfigError
 from orchestrator.scheduler.resources import describe
@@ -79,8 +81,43 @@ def view(storage_root: StorageRootOption = None, output: Output = OutputFormat.t
     console.print(table)
 
 
-def _parse_gpus(values: list[str]) -> dict[str, float]:
-    """["H100=16", "A100=8"] -> {"H100": 16, "A100": 8}; ConfigError naming --gpus."""
+@capacity_app.command("price")
+def price(
+    gpu: Annotated[
+        list[str] | None,
+        typer.Option("--gpu", help="TYPE=PRICE per GPU-hour, e.g. H100=2.49; repeat for others"),
+    ] = None,
+    cpu_hour: Annotated[
+        float | None, typer.Option("--cpu-hour", min=0, help="Per CPU-hour")
+    ] = None,
+    memory_gib_hour: Annotated[
+        float | None, typer.Option("--memory-gib-hour", min=0, help="Per GiB-hour of memory")
+    ] = None,
+    currency: Annotated[str | None, typer.Option("--currency", help="e.g. USD, EUR")] = None,
+    clear: Annotated[bool, typer.Option("--clear", help="Start from no prices")] = False,
+    storage_root: StorageRootOption = None,
+    output: Output = OutputFormat.text,
+) -> None:
+    """Set what an hour of the cluster costs (what is not given stays); with no option, show
+    the prices. Jobs are costed at the prices of their admission: a change never rewrites
+    what already ran."""
+    given = bool(gpu) or cpu_hour is not None or memory_gib_hour is not None or currency
+    if given or clear:
+        found = set_prices(_parse_gpus(gpu or [], "--gpu", "PRICE", "H100=2.49"), cpu_hour,
+                           memory_gib_hour, currency, clear=clear,
+                           storage_root=storage_root)  # fmt: skip
+    else:
+        found = prices(storage_root=storage_root)
+    if output is OutputFormat.json:
+        print_json(found.model_dump())
+        return
+    console.print(f"prices: {escape(describe_prices(found))}")
+
+
+def _parse_gpus(
+    values: list[str], option: str = "--gpus", what: str = "COUNT", example: str = "H100=16"
+) -> dict[str, float]:
+    """["H100=16", "A100=8"] -> {"H100": 16, "A100": 8}; ConfigError naming the option."""
     gpus: dict[str, float] = {}
     for value in values:
         name, sep, count = value.partition("=")
@@ -88,13 +125,13 @@ def _parse_gpus(values: list[str]) -> dict[str, float]:
             number = float(count)
         except ValueError:
             number = -1.0
-        if not sep or number < 0:
-            raise ConfigError(f"--gpus {value!r}: write TYPE=COUNT with COUNT 0 or more, for "
-                              "example --gpus H100=16")  # fmt: skip
+        if not sep or not number >= 0:
+            raise ConfigError(f"{option} {value!r}: write TYPE={what} with {what} 0 or more, "
+                              f"for example {option} {example}")  # fmt: skip
         try:
             gpus[accelerator_type(name)] = number
         except ConfigError as e:
-            raise ConfigError(f"--gpus {value!r}: {e}") from None
+            raise ConfigError(f"{option} {value!r}: {e}") from None
     return gpus
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
+from orchestrator.books.usage import JobUsage, job_usage
+from orchestrator.cli.cmd_usage import usage_line
 from orchestrator.cli.options import JobId, Project, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json, when
 from orchestrator.client.api import get_job, list_jobs
@@ -152,6 +155,7 @@ def _job_detail(job: JobHandle) -> dict:
         "notices": job.record.notices,
         "retry": job.record.retry.model_dump(mode="json"),
         "attempts": [a.model_dump(mode="json") for a in details.attempts],
+        "usage": job_usage(job.record, details, time.time()).model_dump(),
     }
 
 
@@ -225,6 +229,8 @@ def _print_detail(job: JobHandle) -> None:
         table.add_row("checkpoints", f"{d['checkpoints']}: {d['checkpoint_sync_status']}")
         for problem in d["checkpoint_problems"]:
             table.add_row("", problem)
+    if d["usage"]["usage"]["held_s"] or d["usage"]["waiting_s"]:
+        table.add_row("usage", escape(usage_line(JobUsage.model_validate(d["usage"]))))
     if d["failure"]:
         f = d["failure"]
         table.add_row("cause", escape(f["cause"]))

@@ -12,10 +12,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.books.usage import JobUsage, job_usage
 from orchestrator.client.audit import audited
 from orchestrator.client.connection import Connection
 from orchestrator.client.log_view import FOLLOW_PROGRESS_S, thin_progress
 from orchestrator.client.metrics import JobMetrics
+from orchestrator.client.rank_exec import run_on_rank
 from orchestrator.client.stacks import job_stacks
 from orchestrator.errors import OrchestratorError
 from orchestrator.lifecycle import JobState
@@ -173,6 +175,11 @@ class JobHandle:
         """Each run of the job's commands (BT_RETRY_COUNT), with how it ended and why."""
         return self.refresh().attempts
 
+    def usage(self) -> JobUsage:
+        """What the job has held (GPU-, CPU-, memory-seconds), waited, lost to faults and cost,
+        at the prices of its admissions (books/usage.py)."""
+        return job_usage(self.record, self.refresh(), time.time())
+
     def metrics(self) -> JobMetrics:
         """Each rank's resource samples, with the time in each state, weights delivery and
         checkpoint uploads (client/metrics.py)."""
@@ -218,10 +225,8 @@ class JobHandle:
             raise OrchestratorError(f"{target} already exists and is not empty: pick another")
         archive = self.record.archive
         if not self._store.has_archive(archive.sha256):
-            raise OrchestratorError(
-                f"job {self.id}'s code archive {archive.path} is no longer in "
-                f"{self._store.root.url}: nothing to download"
-            )
+            raise OrchestratorError(f"job {self.id}'s code archive {archive.path} is no longer "
+                                    f"in {self._store.root.url}: nothing to download")  # fmt: skip
         target.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="orchestrator-code-") as tmp:
             local = Path(tmp) / "workspace.tar"
@@ -236,10 +241,9 @@ class JobHandle:
         """Hold the job's nodes until `minutes` from now once its commands end (or longer, if
         its interactive_session already does): `truss train isession --update-timeout`."""
         if self.record.spec.job.interactive_session is None:
-            raise OrchestratorError(
-                f"job {self.id} has no interactive_session in its config: set one (trigger "
-                "on_demand holds the nodes only when asked) and push again"
-            )
+            raise OrchestratorError(f"job {self.id} has no interactive_session in its config: set "
+                                    "one (trigger on_demand holds the nodes only when asked) and "
+                                    "push again")  # fmt: skip
         if (state := self.refresh().state).is_terminal:
             raise OrchestratorError(f"job {self.id} has ended ({state.value})")
         until = time.time() + minutes * 60
@@ -264,39 +268,9 @@ class JobHandle:
         if (state := self.refresh().state).is_terminal:
             raise OrchestratorError(f"job {self.id} has ended ({state.value})")
         with self._audited("shell", detail=f"command, rank {rank}") as event:  # not its text
-            code, output = self._exec(command, rank, timeout_s)
+            code, output = run_on_rank(self, command, rank, timeout_s)
             event["detail"] += f", exit {code}"
         return code, output
-
-    def _exec(self, command: str, rank: int, timeout_s: float) -> tuple[int, str]:
-        from orchestrator.client.submit import dashboard_name, remote_python, submit_ray_job
-        from orchestrator.controller.job_shell import NOT_RUN_EXIT, OUTPUT_MARKER
-
-        client = self._client()
-        entrypoint = shlex.join([
-            remote_python(self.record.embedded_cluster), "-m", "orchestrator.controller.job_shell",
-            "--job-id", self.id, "--rank", str(rank), "--timeout", f"{timeout_s:g}", command,
-        ])  # fmt: skip
-        shell_id = f"{self.id}-shell-{uuid.uuid4().hex[:8]}"
-        submit_ray_job(
-            self._client, str(self.record.ray_address), shell_id, entrypoint=entrypoint,
-            entrypoint_num_cpus=0, metadata={
-                "orchestrator_shell_of": self.id,
-                "job_name": f"{dashboard_name(self.record)}: exec on rank {rank}",
-            },
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout_s + 120
-        while not client.get_job_status(shell_id).is_terminal():
-            if time.monotonic() > deadline:
-                client.stop_job(shell_id)
-                raise OrchestratorError(f"the command on rank {rank} did not end in time")
-            time.sleep(POLL_S)
-        info, logs = client.get_job_info(shell_id), client.get_job_logs(shell_id)
-        code = info.driver_exit_code
-        if OUTPUT_MARKER not in logs or code is None or code == NOT_RUN_EXIT:
-            why = logs.strip().splitlines()[-1:] or [info.message or "no output"]
-            raise OrchestratorError(f"could not run a command in job {self.id}: {why[0]}")
-        return code, logs.split(OUTPUT_MARKER + "\n", 1)[1]
 
     def stacks(self, timeout_s: float = 120) -> dict[int, str]:
         """Every rank's Python stacks by rank (py-spy, all threads): taken now from a running
