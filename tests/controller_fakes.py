@@ -99,6 +99,7 @@ class FakeUploaders:
         self.flushed_with: list = []
         self.last_stored: dict = {}
         self.over_volume: str | None = None  # what the next poll says of the volume
+        self.resumed_at: float | None = None
 
     flush_timeout_s = 5.0
 

@@ -74,9 +74,16 @@ class Scripted:
             history=history,
             holds=[Hold(since=s, until=u, bundle=self.bundle, nodes=nodes,
                         prices=rates(EARLY if s < CHANGE else LATE)) for s, u in self.holds],
-            attempts=[Attempt(number=i, started_at=s, ended_at=e, cause=c, checkpoint_at=k)
-                      for i, (s, e, c, k) in enumerate(self.attempts)],
+            attempts=[self.attempt(i) for i in range(len(self.attempts))],
         )  # fmt: skip
+
+    def attempt(self, i: int) -> Attempt:
+        """Attempt `i`, resumed from the checkpoint the one before it stored last, if any."""
+        start, end, cause, checkpoint = self.attempts[i]
+        before = self.attempts[i - 1][3] if i else None
+        return Attempt(number=i, started_at=start, ended_at=end, cause=cause,
+                       checkpoint_at=checkpoint, resumed_from="ckpt" if before else None,
+                       resumed_at=before)  # fmt: skip
 
 
 def scripted_day(seed: int, jobs: int = 24) -> list[Scripted]:
@@ -243,20 +250,77 @@ def test_an_unpriced_gpu_type_is_named_not_costed():
     assert unpriced(bundle("A100"), rates(EARLY)) == []
 
 
-def test_lost_time_runs_from_the_last_checkpoint_and_only_for_faults():
+def test_lost_time_runs_from_what_the_next_attempt_kept_and_only_for_faults():
     job = Scripted(record("j", "nlp", T0, "H100", 1), bundle("H100"))
-    job.holds = [(T0, T0 + 1000)]
-    job.attempts = [
-        (T0 + 10, T0 + 300, "node_lost", T0 + 200),  # 100 s after its checkpoint
-        (T0 + 310, T0 + 500, "preempted", None),  # no checkpoint: all 190 s
-        (T0 + 510, T0 + 700, "stopped", T0 + 600),  # a user's stop: none
-        (T0 + 710, T0 + 990, "max_duration", None),  # its own limit: none
+    job.holds = [(T0, T0 + 2000)]
+    attempts = [
+        # 100 s after the checkpoint attempt 1 resumed from
+        Attempt(
+            number=0,
+            started_at=T0 + 10,
+            ended_at=T0 + 300,
+            cause="node_lost",
+            checkpoint_at=T0 + 200,
+        ),
+        # saved on SIGTERM, stored after its end: attempt 2 resumed from that, nothing lost
+        Attempt(
+            number=1,
+            started_at=T0 + 310,
+            ended_at=T0 + 500,
+            cause="preempted_by_job",
+            resumed_from="checkpoint-200",
+            resumed_at=T0 + 200,
+            checkpoint_at=T0 + 400,
+        ),
+        # attempt 3 resumed from a checkpoint stored before this one began: all 190 s lost
+        Attempt(
+            number=2,
+            started_at=T0 + 510,
+            ended_at=T0 + 700,
+            cause="stuck",
+            resumed_from="checkpoint-5000",
+            resumed_at=T0 + 505,
+        ),
+        # a user's stop: not lost; the next two were followed by attempts that started over
+        Attempt(
+            number=3,
+            started_at=T0 + 710,
+            ended_at=T0 + 900,
+            cause="stopped",
+            resumed_from="checkpoint-5000",
+            resumed_at=T0 + 505,
+        ),
+        Attempt(
+            number=4,
+            started_at=T0 + 910,
+            ended_at=T0 + 1000,
+            cause="command_failed",
+            resumed_from="checkpoint-5000",
+            resumed_at=T0 + 505,
+            checkpoint_at=T0 + 950,
+        ),
+        Attempt(number=5, started_at=T0 + 1010, ended_at=T0 + 1100, cause="agent_lost"),
+        # its own time limit: not lost
+        Attempt(number=6, started_at=T0 + 1110, ended_at=T0 + 1990, cause="max_duration"),
     ]
-    job.end, job.state = T0 + 995, JobState.FAILED
+    status = job.status().model_copy(update={
+        "attempts": attempts, "state": JobState.FAILED,
+        "history": [StatusEvent(state=JobState.CREATED, at=T0),
+                    StatusEvent(state=JobState.FAILED, at=T0 + 1995)],
+    })  # fmt: skip
+    u = job_usage(job.record, status, now=T0 + DAY)
+    assert [a.lost.held_s for a in u.attempts] == [100, 0, 190, 0, 90, 90, 0]
+    assert u.lost.gpu_s == {"H100": pytest.approx(2 * 470)}
+    assert u.usage.held_s == 2000
+
+
+def test_a_last_attempt_lost_from_its_own_newest_checkpoint():
+    job = Scripted(record("j", "nlp", T0, None, 1), bundle(None))
+    job.holds = [(T0, T0 + 100)]
+    job.attempts = [(T0 + 1, T0 + 90, "node_lost", T0 + 60)]
+    job.end, job.state = T0 + 95, JobState.FAILED
     u = job_usage(job.record, job.status(), now=T0 + DAY)
-    assert [a.lost.held_s for a in u.attempts] == [100, 190, 0, 0]
-    assert u.lost.gpu_s == {"H100": pytest.approx(2 * 290)}
-    assert u.usage.held_s == 1000
+    assert u.attempts[0].lost.held_s == 30 and u.lost.cpu_s == 4 * 30
 
 
 def test_a_job_that_never_got_nodes_only_waited():

@@ -251,6 +251,7 @@ def test_the_nodes_held_are_booked_from_admission_to_release_at_the_prices_then(
     nodes.endings = [KEEP_RUNNING, KEEP_RUNNING]
     nodes.lose = {0: 1}
     nodes.later_endings = [[CommandsEnded(exit_code=0)] * 2]
+    nodes.latest_checkpoint = "checkpoint-1"  # what attempt 1 resumes from
     original_start = nodes.start
 
     def start_then_store(requests, on_lines):  # rank 0 stores a checkpoint as attempt 0 runs
@@ -269,6 +270,7 @@ def test_the_nodes_held_are_booked_from_admission_to_release_at_the_prices_then(
     first, second = status.attempts
     saved_at = nodes.uploaders.last_stored[0].at
     assert first.checkpoint_at == saved_at and second.checkpoint_at is None  # none since
+    assert second.resumed_from == "checkpoint-1"
     books = handle.usage()
     assert books.usage.held_s == pytest.approx(hold.until - hold.since)
     assert books.usage.cost == pytest.approx(2 * 1.0 * 0.1 * books.usage.held_s / 3600)

@@ -27,9 +27,9 @@ wait_for_the_filesystem()
 
 
 def test_a_stuck_rank_in_a_container_gives_its_stacks_on_demand_and_when_found(
-    container_cluster,
-    python_image,
-    tmp_path,  # noqa: F811
+    container_cluster,  # noqa: F811 (a fixture)
+    python_image,  # noqa: F811 (a fixture)
+    tmp_path,
 ):
     config = make_job(tmp_path / "job", f"""
         from orchestrator import definitions as d

@@ -3,10 +3,13 @@ how long it waited in the queue, and what its faults lost.
 
 Held is what the queue accounts: from each admission to the release of the job's nodes
 (`JobStatus.holds`), whatever the ranks were doing meanwhile. Lost is, for each attempt a fault
-or a preemption ended, from the newest checkpoint stored while it ran (`Attempt.checkpoint_at`;
-its start when none was) to its end, times what the job held then: the work a retry does again.
-A user's stop and the job's own time limit are not faults. Every figure can be clipped to a
-window (`since`, `until`), so a day's books add up to the day.
+or a preemption ended, the work done again: from the moment its progress was last kept to its
+end, times what the job held then. Kept is the checkpoint the next attempt resumed from, when
+that was stored (`Attempt.resumed_at`: one saved on SIGTERM after the end keeps it all; one
+stored before the attempt began keeps none of it); for a last attempt, the newest checkpoint
+stored while it ran (`Attempt.checkpoint_at`). A user's stop and the job's own time limit are
+not faults. Every figure can be clipped to a window (`since`, `until`), so a day's books add up
+to the day.
 """
 
 from __future__ import annotations
@@ -96,7 +99,9 @@ def job_usage(
     window = (float("-inf") if since is None else since, float("inf") if until is None else until)
     holds = [(h, (h.since, h.until if h.until is not None else horizon)) for h in status.holds]
     waits_now = end is None and not (status.holds and status.holds[-1].until is None)
-    attempts = [_attempt(a, holds, window, horizon) for a in status.attempts]
+    tried = status.attempts
+    attempts = [_attempt(a, tried[i + 1] if i + 1 < len(tried) else None, holds, window, horizon)
+                for i, a in enumerate(tried)]  # fmt: skip
     return JobUsage(
         job_id=record.job_id, project=record.project, team=record.team,
         job_name=record.spec.job.name, state=status.state.value,
@@ -145,16 +150,28 @@ def waiting_spans(
     return spans
 
 
+def kept_until(attempt: Attempt, following: Attempt | None) -> float:
+    """Up to when the attempt's progress was kept (see the module's docstring)."""
+    end = attempt.ended_at if attempt.ended_at is not None else float("inf")
+    kept = attempt.checkpoint_at
+    if following is not None and following.resumed_at is not None:
+        kept = following.resumed_at
+    elif following is not None and following.resumed_from is None:
+        kept = None  # it started over
+    return min(end, max(attempt.started_at, kept or attempt.started_at))
+
+
 def _attempt(
-    attempt: Attempt, holds: Sequence[tuple[Hold, Span]], window: Span, horizon: float
-) -> AttemptUsage:
+    attempt: Attempt, following: Attempt | None, holds: Sequence[tuple[Hold, Span]],
+    window: Span, horizon: float,
+) -> AttemptUsage:  # fmt: skip
     end = attempt.ended_at if attempt.ended_at is not None else horizon
     span = (attempt.started_at, end)
     usage = Usage.total(held(h, _clip(s, span), window) for h, s in holds)
     lost = Usage()
     if attempt.cause is not None and attempt.cause not in NOT_LOST:
-        last_good = max(attempt.started_at, attempt.checkpoint_at or attempt.started_at)
-        lost = Usage.total(held(h, _clip(s, (last_good, end)), window) for h, s in holds)
+        kept = kept_until(attempt, following)
+        lost = Usage.total(held(h, _clip(s, (kept, end)), window) for h, s in holds)
     return AttemptUsage(
         number=attempt.number, cause=attempt.cause, started_at=attempt.started_at,
         ended_at=attempt.ended_at, usage=usage, lost=lost,

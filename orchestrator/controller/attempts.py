@@ -120,7 +120,10 @@ class Attempts:
         job.check_stop()
         plan = self.plan
         requests = self._requests(plan, number)
-        attempt = Attempt(number=number, started_at=time.time(), resumed_from=resumed)
+        uploaders = self.group.uploaders
+        resumed_at = uploaders.resumed_at if resumed and uploaders is not None else None
+        attempt = Attempt(number=number, started_at=time.time(), resumed_from=resumed,
+                          resumed_at=resumed_at)  # fmt: skip
         attempts = [*job.status.attempts, attempt]
         if number == 0:
             job.transition(JobState.RUNNING, f"running {plan.describe()}", attempts=attempts)

@@ -177,6 +177,7 @@ class Uploaders:
         # the job's attempts: the resume point's evidence (controller/resume_point.py).
         self.writes: dict[int, RankWrites] = {}
         self._said: list[str] = []  # the controller's own lines, out with the next poll
+        self.resumed_at: float | None = None  # when the last resume point was stored
 
     def wait_ready(self, timeout: float = 60) -> None:
         """Until every uploader watches its directory: a checkpoint renamed into place in the
@@ -271,6 +272,8 @@ class Uploaders:
         self._said.append(
             _line(f"attempt {number} resumes from {point.name or 'the start'}: {point.why}")
         )
+        parts = [*point.copies.values(), *(m for ms in point.parts.values() for m in ms)]
+        self.resumed_at = max((m.created_at for m in parts), default=None) if point.name else None
         refs = [
             actor.begin_attempt.remote(
                 number,

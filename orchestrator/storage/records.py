@@ -153,9 +153,10 @@ class Attempt(_Record):
     rank: int | None = None  # the rank that failed or was lost
     node_id: str | None = None  # the node lost or preempted
     resumed_from: str | None = None  # the checkpoint restored for it ("checkpoint-200")
+    resumed_at: float | None = None  # when that checkpoint was stored (its newest part)
     decision: str | None = None  # what followed, in words: "retried: why", "completed", ...
-    # When the newest checkpoint stored complete while it ran finished uploading: what a fault
-    # ending it cost is from there to its end (the books' lost time, books/usage.py).
+    # When the newest checkpoint stored complete while it ran finished uploading (the books'
+    # lost time runs from there to its end when no attempt follows, books/usage.py).
     checkpoint_at: float | None = None
 
 
