@@ -23,6 +23,7 @@ from ray.job_submission import JobSubmissionClient
 
 from orchestrator.agents.services import NAMESPACE
 from orchestrator.client.api import push
+from orchestrator.client.books import by_team, usage
 from orchestrator.client.jobs import JobHandle
 from orchestrator.client.queue import queue, set_capacity, update_priority
 from orchestrator.lifecycle import JobState
@@ -281,6 +282,20 @@ def test_a_borrowing_job_gives_way_to_its_owners_and_resumes_from_its_checkpoint
     said = "\n".join(owner.logs())  # each PENDING reason as it changed
     assert f"PENDING: waiting in the queue (position 1): preempting {borrower.id}" in said
     assert own.details().attempts[0].cause is None  # within its quota: never preempted
+
+    # The books of both teams: the borrower held its nodes twice, waited while its owner ran,
+    # and lost nothing (it resumed from what it saved on SIGTERM, stored after its end).
+    given_back, again = details.holds
+    owner_ran = owner.details().holds[0]
+    assert given_back.until <= owner_ran.since and again.since >= owner_ran.until
+    books = borrower.usage()
+    assert books.waiting_s >= again.since - given_back.until >= owner_ran.until - owner_ran.since
+    assert second.resumed_at >= first.ended_at and books.lost.held_s == 0
+    held = (given_back.until - given_back.since) + (again.until - again.since)
+    assert books.usage.gpu_s == {"H100": pytest.approx(2 * 2 * held)}
+    teams = by_team(usage(storage_root=root))
+    assert (teams["vision"]["jobs"], teams["nlp"]["jobs"]) == (2, 1)
+    assert teams["nlp"]["usage"] == owner.usage().usage
 
 
 def test_a_controller_that_dies_ends_its_job_failed_and_lets_go(h100s, tmp_path):

@@ -159,6 +159,12 @@ def test_capacity_before_any_service_says_the_cluster_is_unknown(tmp_path):
                                           "memory": {}, "decided_at": None}  # fmt: skip
     out = invoke("capacity", "view", "--storage-root", url)
     assert "no quotas" in out and "no queue service has reported yet" in out
+    assert "prices: none set" in out
+    invoke("capacity", "price", "--gpu", "H100=2.49", "--storage-root", url)
+    out = invoke("capacity", "view", "--storage-root", url)
+    assert "prices: H100 2.49/GPU-hour (USD)" in out
+    as_json = json.loads(invoke("capacity", "view", "-o", "json", "--storage-root", url))
+    assert as_json["prices"]["gpu"] == {"H100": 2.49}
 
 
 def test_queue_lists_waiting_jobs_next_first_then_unconsidered_then_impossible(root):

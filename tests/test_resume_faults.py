@@ -16,6 +16,8 @@ known to be shared (issue 58), on the simulated GPU cluster of tests/test_faults
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import test_faults
 import torch
@@ -219,6 +221,7 @@ def test_a_file_overwritten_in_place_resumes_at_its_path_after_a_crash(
 
     eventually(lambda: stored_version() >= 2, "ckpt.pt stored twice", 90)
     crashed = job.details().nodes[0].node_id
+    crash_at = time.time()
     faults.cluster.remove_node(faults.node(crashed), allow_graceful=False)
     (last,) = [m for m in job.checkpoints() if m.name == "top-level"]
     saved = job.download_checkpoint(last, tmp_path / "last")
@@ -227,6 +230,13 @@ def test_a_file_overwritten_in_place_resumes_at_its_path_after_a_crash(
     assert job.wait(timeout=180) == JobState.COMPLETED, "\n".join(job.logs()[-40:])
     first, second = job.details().attempts
     assert (first.cause, first.rank, second.resumed_from) == ("node_lost", 0, "top-level")
+    # The books: what the crash cost is the work after the version attempt 1 resumed from.
+    assert second.resumed_at == pytest.approx(last.created_at, abs=0.01)
+    assert first.checkpoint_at is not None and first.checkpoint_at <= crash_at < first.ended_at
+    lost = job.usage().attempts[0].lost
+    assert lost.held_s == pytest.approx(first.ended_at - second.resumed_at, abs=0.01)
+    assert 0 < lost.held_s < first.ended_at - first.started_at
+    assert lost.gpu_s == {"H100": pytest.approx(2 * 2 * lost.held_s)}  # 2 nodes of 2 H100
     for rank in (0, 1):
         lines = lines_of(job, rank)
         assert [line for line in lines if line.startswith("attempt 1 ")] == [

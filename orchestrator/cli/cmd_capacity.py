@@ -48,12 +48,14 @@ def set_(
 
 @capacity_app.command("view")
 def view(storage_root: StorageRootOption = None, output: Output = OutputFormat.text) -> None:
-    """Per team: its quota, what its running jobs hold and its queued jobs ask for; per
-    accelerator type: the cluster's total and free."""
+    """The cluster's prices; per team: its quota, what its running jobs hold and its queued
+    jobs ask for; per accelerator type: the cluster's total and free."""
     found = capacity(storage_root=storage_root)
+    cost = prices(storage_root=storage_root)
     if output is OutputFormat.json:
-        print_json(found)
+        print_json({**found, "prices": cost.model_dump()})
         return
+    console.print(f"prices: {escape(describe_prices(cost))}")
     if found["teams"]:
         table = Table(title="teams")
         for column in ("team", "quota", "in use", "queued", "jobs running", "jobs queued"):
