@@ -24,6 +24,7 @@ from orchestrator.storage import layout
 from orchestrator.storage.checkpoints import CheckpointStore, UploadSettings
 from orchestrator.storage.checkpoints import files_dir as checkpoint_files_dir
 from orchestrator.storage.checkpoints import manifest_path as checkpoint_manifest_path
+from orchestrator.storage.prices import PRICES
 from orchestrator.storage.queue_store import ENTRIES, QUOTAS, REQUESTS, VIEW
 from orchestrator.storage.retry import StorageSettings
 from orchestrator.storage.root import StorageRoot
@@ -323,7 +324,7 @@ def test_what_the_storage_modules_write_is_in_the_tree(tmp_path):
         checkpoint_manifest_path("p1", "j1", 0, "checkpoint-5"),
         f"{checkpoint_files_dir('p1', 'j1', 0, 'checkpoint-5', 2)}/model.safetensors",
         file_path("k1", "config.json"), manifest_path("k1"), f"{set_dir('k1')}/manifest.json",
-        QUOTAS, f"{ENTRIES}/j1.json", f"{REQUESTS}/j1.json", VIEW,
+        QUOTAS, PRICES, f"{ENTRIES}/j1.json", f"{REQUESTS}/j1.json", VIEW,
     ]  # fmt: skip
     root = StorageRoot(tmp_path / "root")
     ckpt = tmp_path / "checkpoint-5"

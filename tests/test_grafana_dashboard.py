@@ -77,3 +77,27 @@ def test_panels_are_filtered_by_the_template_variables(dashboard):
             for variable in ("$project", "$job", "$rank"):
                 assert variable in target["expr"], f"{panel['title']}: {variable} not applied"
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+TEAMS = DASHBOARD.parent / "orchestrator-teams.json"
+
+
+def test_the_teams_dashboard_charts_every_team_counter_by_team():
+    """docs/grafana/orchestrator-teams.json: each of the queue service's per-team counters
+    (scheduler/team_meters.py) in a panel, by labels they carry, filtered by `$team`."""
+    teams = json.loads(TEAMS.read_text())
+    exported = {PREFIX + s.name: s for s in metric_series.TEAM_COUNTERS}
+    exprs = _exprs(teams)
+    charted = {name for name, _ in _SELECTOR.findall("\n".join(exprs))}
+    assert charted == set(exported)
+    for expr in exprs:
+        assert 'team=~"$team"' in expr
+        for name, matchers in _SELECTOR.findall(expr):
+            assert set(_MATCHER.findall(matchers)) <= set(exported[name].tag_keys)
+        for group in re.findall(r"by \(([^)]*)\)", expr):
+            for label in (g.strip() for g in group.split(",")):
+                assert any(label in s.tag_keys for s in exported.values()), label
+    variables = _variables(teams)
+    cpu = PREFIX + metric_series.TEAM_CPU_SECONDS.name
+    assert variables["team"]["query"] == f"label_values({cpu}, team)"
+    assert len({p["id"] for p in teams["panels"]}) == len(teams["panels"])

@@ -17,12 +17,7 @@ from typing import Any
 
 import ray
 
-from orchestrator.agents.messages import (
-    EventCursor,
-    StoredCheckpoint,
-    UploaderFlush,
-    UploaderPoll,
-)
+from orchestrator.agents.messages import EventCursor, StoredCheckpoint, UploaderFlush, UploaderPoll
 from orchestrator.node import train_checkpoints
 from orchestrator.node.checkpoint_rules import read_earlier_checkpoints, top_level, volume_use
 from orchestrator.node.checkpoint_tracking import RENAMED, SETTLED, CheckpointTracker, Tracked
@@ -172,9 +167,8 @@ class CheckpointUploader:
                 self._scan(final=True, deadline=deadline)
         finally:
             retry.give_up_at = None
-        return UploaderFlush(
-            self.tracker.entries(), self.events, self.tracker.writes(), self.incarnation
-        )
+        return UploaderFlush(self.tracker.entries(), self.events, self.tracker.writes(),
+                             self.incarnation)  # fmt: skip
 
     def begin_attempt(
         self, number: int, resume: Manifest | None, newer: list[str], top: Manifest | None = None,
@@ -408,14 +402,10 @@ class CheckpointUploader:
             "uploaded": done.uploaded + 1, "uploaded_bytes": done.uploaded_bytes + size,
             "upload_seconds": round(done.upload_seconds + took, 3), "last_upload_s": round(took, 3),
         })  # fmt: skip
-        how = (
-            f"stored as INCOMPLETE: {incomplete}"
-            if incomplete
-            else f"uploaded ({t.ready})"
-            if replaced is None
-            else f"uploaded again ({t.ready}; version {manifest.version} replaces "
-            f"version {replaced.version or 1})"
-        )
+        how = f"stored as INCOMPLETE: {incomplete}" if incomplete else f"uploaded ({t.ready})"
+        if replaced is not None and not incomplete:
+            how = (f"uploaded again ({t.ready}; version {manifest.version} replaces version "
+                   f"{replaced.version or 1})")  # fmt: skip
         self._event(
             f"checkpoint {name} {how}: {len(manifest.files)} files, "
             f"{manifest.size_bytes / 1e6:.1f} MB in {took:.2f} s"
@@ -447,9 +437,8 @@ class CheckpointUploader:
             self._event(warning)
 
     def _event(self, message: str) -> None:
-        self.events.append(
-            f"[rank {self.rank} {time.strftime('%H:%M:%S')}] [checkpoints] {message}"
-        )
+        self.events.append(f"[rank {self.rank} {time.strftime('%H:%M:%S')}] [checkpoints] "
+                           f"{message}")  # fmt: skip
 
 
 def _restarted() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 JOB_TAGS = ("job_id", "project", "rank")
+TEAM_TAGS = ("team",)
 
 
 @dataclass(frozen=True)
@@ -17,10 +18,11 @@ class Series:
     name: str
     description: str
     extra_tags: tuple[str, ...] = ()
+    base_tags: tuple[str, ...] = JOB_TAGS
 
     @property
     def tag_keys(self) -> tuple[str, ...]:
-        return (*JOB_TAGS, *self.extra_tags)
+        return (*self.base_tags, *self.extra_tags)
 
 
 CPU_CORES = Series("orchestrator_job_cpu_cores", "CPU cores the job's processes use on the rank")
@@ -69,3 +71,16 @@ ALL = (
     DISK_FREE, NET_SENT, NET_RECV, CHECKPOINTS_WAITING, CHECKPOINT_BYTES_WAITING,
     CHECKPOINT_OLDEST_WAITING, CHECKPOINT_UPLOADED_BYTES, CHECKPOINT_LAST_UPLOAD,
 )  # fmt: skip
+
+# The queue service's, per team (scheduler/team_meters.py): what its admitted jobs hold, from
+# admission to release, as the books count it; counters, so `rate()` is what it holds now.
+TEAM_GPU_SECONDS = Series("orchestrator_team_gpu_seconds",
+                          "GPU-seconds the team's admitted jobs have held", ("accelerator",),
+                          TEAM_TAGS)  # fmt: skip
+TEAM_CPU_SECONDS = Series(
+    "orchestrator_team_cpu_seconds", "CPU-seconds the team's admitted jobs have held", (), TEAM_TAGS
+)
+TEAM_MEMORY_GIB_SECONDS = Series("orchestrator_team_memory_gib_seconds",
+                                 "GiB-seconds of memory the team's admitted jobs have held", (),
+                                 TEAM_TAGS)  # fmt: skip
+TEAM_COUNTERS = (TEAM_GPU_SECONDS, TEAM_CPU_SECONDS, TEAM_MEMORY_GIB_SECONDS)

@@ -39,6 +39,7 @@ from orchestrator.scheduler.queue_manager import Admission, QueueManager, QueueV
 from orchestrator.scheduler.queue_view_writer import QueueViewWriter
 from orchestrator.scheduler.reasons import never_fits_cause, queue_timeout_cause
 from orchestrator.scheduler.snapshot_builder import SnapshotBuilder
+from orchestrator.scheduler.team_meters import TeamMeters
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.queue_store import BEAT_S, QueueEntry, QueueStore
 from orchestrator.storage.retry import StorageRetry
@@ -62,10 +63,11 @@ class RootQueue:
         self, storage_root: str, policy: SchedulingPolicy, cluster: ClusterReader,
         autoscaling: bool = False, storage_budget_s: float = STORAGE_BUDGET_S,
         launcher: ControllerLauncher | None = None, prefetch: Pull | None = None,
-        freed: Callable[[], None] = lambda: None,
+        freed: Callable[[], None] = lambda: None, meters: TeamMeters | None = None,
     ) -> None:  # fmt: skip
         """`freed`: told when a job of this root lets go of its nodes (the service has the
-        other roots' queues look again: what one root's job freed, another's may take)."""
+        other roots' queues look again: what one root's job freed, another's may take).
+        `meters`: told of the entries before each change (per-team Prometheus counters)."""
         self.root = StorageRoot(storage_root, StorageRetry(storage_root, storage_budget_s))
         self.store = store = QueueStore(self.root)
         self.queue = QueueManager(store)
@@ -87,12 +89,14 @@ class RootQueue:
         self.last_beat = 0.0
         self.look_again_until = 0.0  # resources freed: decided again until then (FREED_FOR_S)
         self.freed = freed
+        self.meters = meters
 
     # -- the controllers' calls -----------------------------------------------------------------
 
     def enqueue(self, job: QueueEntry) -> Admission:
         """Queue a job (again: its standing, unchanged) and decide at once."""
         with self.lock:
+            self._meter()
             if self.queue.add(job):
                 self._decide()
             return self.admission(job.job_id)
@@ -109,12 +113,14 @@ class RootQueue:
     def release(self, job_id: str) -> None:
         """The job ended, was stopped while queued, or left after a preemption."""
         with self.lock:
+            self._meter()
             if self.queue.release(job_id):
                 self._freed()
 
     def requeue(self, job_id: str) -> Admission:
         """A preempted job that flushed and let go: back in the queue, keeping its push time."""
         with self.lock:
+            self._meter()
             if self.queue.requeue(job_id):
                 self._freed()
             return self.admission(job_id)
@@ -123,6 +129,7 @@ class RootQueue:
 
     def update_priority(self, job_id: str, priority: int) -> Admission:
         with self.lock:
+            self._meter()
             if not self.queue.reprioritise(job_id, priority):
                 raise ValueError(f"job {job_id} is not waiting in the queue: only a queued "
                                  "job's priority can change")  # fmt: skip
@@ -132,6 +139,7 @@ class RootQueue:
     def view(self) -> QueueView:
         """The queue as `orchestrator queue` shows it, decided now."""
         with self.lock:
+            self._meter()
             self._decide()
             entries = self.queue.entries()
             return QueueView(
@@ -141,9 +149,15 @@ class RootQueue:
 
     # -- inside ---------------------------------------------------------------------------------
 
+    def _meter(self) -> None:
+        """What the entries held up to now, counted before they change."""
+        if self.meters is not None:
+            self.meters.advance(self.queue.entries(), time.time())
+
     def tick(self) -> None:
         """What no call brings: pushed jobs and stops, requests, quotas, dead controllers,
         resources freed; and the service's sign of life."""
+        self._meter()
         self._take_arrivals()
         self.queue.reload_quotas()
         for job_id in self.reaper.reap(self.queue):

@@ -54,6 +54,7 @@ TREE: tuple[tuple[str, str], ...] = (
         "AuditEvent: one change made through us, created once (storage/audit.py)",
     ),
     ("queue/quotas.json", "each team's quota (storage/queue_store.py)"),
+    ("queue/prices.json", "the operator's prices per hour (storage/prices.py)"),
     ("queue/entries/<job_id>.json", "QueueEntry: a job waiting or admitted"),
     ("queue/incoming/<job_id>.json", "QueueEntry of a pushed job the service has not taken yet"),
     ("queue/requests/<job_id>.json", "PriorityRequest from `update --priority`"),
