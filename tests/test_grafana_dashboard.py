@@ -84,9 +84,11 @@ TEAMS = DASHBOARD.parent / "orchestrator-teams.json"
 
 def test_the_teams_dashboard_charts_every_team_counter_by_team():
     """docs/grafana/orchestrator-teams.json: each of the queue service's per-team counters
-    (scheduler/team_meters.py) in a panel, by labels they carry, filtered by `$team`."""
+    (scheduler/team_meters.py) in a panel, by labels they carry, filtered by `$team`. Ray
+    exports a Counter as `<name>_total` (and, for its own old dashboards, as a gauge without
+    the suffix, which RAY_EXPORT_COUNTER_AS_GAUGE=0 turns off): the panels read the counter."""
     teams = json.loads(TEAMS.read_text())
-    exported = {PREFIX + s.name: s for s in metric_series.TEAM_COUNTERS}
+    exported = {PREFIX + s.name + "_total": s for s in metric_series.TEAM_COUNTERS}
     exprs = _exprs(teams)
     charted = {name for name, _ in _SELECTOR.findall("\n".join(exprs))}
     assert charted == set(exported)
@@ -98,6 +100,6 @@ def test_the_teams_dashboard_charts_every_team_counter_by_team():
             for label in (g.strip() for g in group.split(",")):
                 assert any(label in s.tag_keys for s in exported.values()), label
     variables = _variables(teams)
-    cpu = PREFIX + metric_series.TEAM_CPU_SECONDS.name
+    cpu = PREFIX + metric_series.TEAM_CPU_SECONDS.name + "_total"
     assert variables["team"]["query"] == f"label_values({cpu}, team)"
     assert len({p["id"] for p in teams["panels"]}) == len(teams["panels"])

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,6 +81,19 @@ def job(directory: Path, command: str, *, team: str | None = None, nodes: int = 
         """,
         files,
     )
+
+
+def team_counter(node, what: str, team: str) -> float:
+    """`ray_orchestrator_team_<what>_total` of `team` as the node's Ray metrics agent serves
+    it (what a Prometheus scraping the cluster reads), summed over its other labels."""
+    url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return 0.0
+    prefix = f"ray_orchestrator_team_{what}_total{{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix) and f'team="{team}"' in line)  # fmt: skip
 
 
 def running_at(handle: JobHandle) -> float:
@@ -296,6 +310,10 @@ def test_a_borrowing_job_gives_way_to_its_owners_and_resumes_from_its_checkpoint
     teams = by_team(usage(storage_root=root))
     assert (teams["vision"]["jobs"], teams["nlp"]["jobs"]) == (2, 1)
     assert teams["nlp"]["usage"] == owner.usage().usage
+    # ... and the queue service's per-team counter in Prometheus, as the head's agent serves it
+    nlp = owner.usage().usage.gpu_s["H100"]
+    eventually(lambda: abs(team_counter(h100s[0].head_node, "gpu_seconds", "nlp") - nlp) <= 12,
+               f"nlp's {nlp:.0f} H100-seconds in Prometheus", 30)  # fmt: skip
 
 
 def test_a_controller_that_dies_ends_its_job_failed_and_lets_go(h100s, tmp_path):
