@@ -268,7 +268,7 @@ class JobHandle:
         if (state := self.refresh().state).is_terminal:
             raise OrchestratorError(f"job {self.id} has ended ({state.value})")
         with self._audited("shell", detail=f"command, rank {rank}") as event:  # not its text
-            code, output = run_on_rank(self, command, rank, timeout_s)
+            code, output = run_on_rank(self.record, self._client, command, rank, timeout_s)
             event["detail"] += f", exit {code}"
         return code, output
 
