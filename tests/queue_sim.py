@@ -83,6 +83,10 @@ class SimCluster:
                 admit.placed_on,
                 resumable=self.resumable.get(job.job_id, True),
             )
+        started = {a.job_id for a in decision.admit}
+        for job_id, job in self.queued.items():  # as the service: it waits for that job no more
+            if job.preempted_by in started:
+                self.queued[job_id] = replace(job, preempted_by=None)
         for p in decision.preempt:
             self.running[p.victim] = replace(self.running[p.victim], leaving=True,
                                              leaving_for=p.for_job)  # fmt: skip

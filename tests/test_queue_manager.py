@@ -200,3 +200,16 @@ def test_the_queue_imports_no_ray():
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert run.stdout.strip() == "[]"
+
+
+def test_a_job_that_gave_way_waits_for_that_job_only_until_it_starts(tmp_path, cluster):
+    """Stored: once the job it gave way to is admitted, a queued job's mark is cleared (else,
+    should that job give way to it in turn, each would wait for the other for ever)."""
+    store = QueueStore(StorageRoot(tmp_path))
+    store.put(entry("a", 1).model_copy(update={"preempted_by": "b"}))
+    queue = queue_on(tmp_path, cluster)
+    assert queue.enqueue(entry("b", 2)).state == "admitted"
+    assert queue.admission("a").state == "queued"  # no room left beside b
+    assert store.entry("a").preempted_by is None
+    queue.release("b")
+    assert queue.admission("a").state == "admitted"

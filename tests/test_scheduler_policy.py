@@ -204,8 +204,25 @@ def test_issue29_a_preempted_borrower_does_not_come_back_on_the_room_it_freed():
         sim.now += 1
         sim.step()
     assert sim.preemptions == [("V", "P")]
-    assert list(sim.running) == ["P"] and sim.queued["V"].preempted_by == "P"
+    # P started: V waits for P no more (its mark is cleared), only for room beyond its quota.
+    assert list(sim.running) == ["P"] and sim.queued["V"].preempted_by is None
     assert sim.last.waiting[0].reason.startswith("team U is at its quota of 4 H100 (0 in use)")
+
+
+def test_two_jobs_that_gave_way_to_each_other_do_not_wait_for_each_other_for_ever():
+    """A gave way to B; B started, and later gave way to A. A's mark named B still: each waited
+    for the other to start, on an idle cluster, for ever (a replayed trace found it). The mark
+    is cleared once the job it names starts."""
+    sim = SimCluster({"n0": Resources.of(H100=8, CPU=16)},
+                     quotas={"T": {"GPU:H100": 8}, "U": {"GPU:H100": 8}})  # fmt: skip
+    sim.queued["A"] = QueuedJob("A", "T", 0, 0.0, gpus(8, cpus=8), preempted_by="B")
+    sim.push("B", "U", gpus(8, cpus=8))
+    assert [a.job_id for a in sim.step().admit] == ["B"]  # A waits for B to start: it has
+    assert sim.queued["A"].preempted_by is None
+    del sim.running["B"]  # B gave way to A, and is back in the queue
+    sim.queued["B"] = QueuedJob("B", "U", 0, 1.0, gpus(8, cpus=8), preempted_by="A")
+    sim.now += 1
+    assert [a.job_id for a in sim.step().admit] == ["A"]
 
 
 def test_issue29_a_job_beyond_its_quota_does_not_start_ahead_of_a_job_within_its_own():

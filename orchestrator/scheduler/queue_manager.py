@@ -100,6 +100,10 @@ class QueueManager:
                 self.ledger[admit.job_id], state="admitted", placed_on=list(admit.placed_on),
                 borrowed=admit.borrowed, admitted_at=now + i * 1e-6, preempted_by=None,
             )  # fmt: skip
+        started = {a.job_id for a in decision.admit}
+        for entry in self.ledger.all():  # the job each gave way to has started: it waits no more
+            if entry.state == "queued" and entry.preempted_by in started:
+                self.ledger.update(entry, preempted_by=None)
         for preempt in decision.preempt:
             victim = self.ledger.get(preempt.victim)
             if victim is not None and victim.preemption is None:
