@@ -35,6 +35,7 @@ from orchestrator.cli.cmd_capacity import capacity_app
 from orchestrator.cli.cmd_checkpoints import checkpoints_app
 from orchestrator.cli.cmd_cluster import cluster_app
 from orchestrator.cli.cmd_deployments import deployments_app
+from orchestrator.cli.cmd_notify import notify_app
 from orchestrator.cli.cmd_secrets import secrets_app
 from orchestrator.cluster.auth import refusal
 from orchestrator.errors import ConfigError, OrchestratorError
@@ -71,6 +72,7 @@ app.add_typer(cache_app, name="cache")
 app.add_typer(secrets_app, name="secrets")
 app.add_typer(deployments_app, name="deployments")
 app.add_typer(capacity_app, name="capacity")
+app.add_typer(notify_app, name="notify")
 
 _stderr = Console(stderr=True)
 

@@ -32,6 +32,8 @@ from orchestrator.scheduler.policy import DEFAULT_HOLD_AFTER_S, SchedulingPolicy
 from orchestrator.scheduler.queue_manager import Admission, QueueView
 from orchestrator.scheduler.root_queue import RootQueue
 from orchestrator.scheduler.roots_inbox import POLL_S, Inbox
+from orchestrator.scheduler.team_meters import TeamMeters, ray_sink
+from orchestrator.scheduler.webhooks import Webhooks
 from orchestrator.storage.queue_store import QueueEntry
 
 TICK_S = 1.0
@@ -61,6 +63,9 @@ class QueueService:
         pulls = cluster_runtime_kind().nodes_pull_images
         self.prefetch = ray_pull if in_ray and pulls else None
         self.known = GcsRoots() if in_ray else None
+        # Each watched root's webhooks, delivered until nothing is owed (scheduler/webhooks.py)
+        self.webhooks = Webhooks(self.launcher.session() if in_ray and self.launcher else None)
+        self.team_sink = ray_sink() if in_ray else None  # per-team counters, every root's
         self.queues: dict[str, RootQueue] = {}
         self.stops: dict[str, threading.Event] = {}
         self.lock = threading.Lock()  # the dicts only
@@ -114,7 +119,9 @@ class QueueService:
         # Read from the storage root outside the dicts' lock: another root's calls go on.
         fresh = RootQueue(root, self.policy, self.cluster, self.autoscaling,
                           launcher=self.launcher, prefetch=self.prefetch,
-                          freed=lambda: self._freed_in(root))  # fmt: skip
+                          freed=lambda: self._freed_in(root),
+                          meters=TeamMeters(self.team_sink) if self.team_sink else None,
+                          )  # fmt: skip
         with self.lock:
             queue = self.queues.setdefault(root, fresh)
             if queue is fresh:
@@ -122,6 +129,7 @@ class QueueService:
                     self.tick_s, lambda: self._forget(root, fresh)
                 )
                 self._remember()
+                self.webhooks.watch(root)
         return queue
 
     def _freed_in(self, root: str) -> None:
@@ -136,12 +144,13 @@ class QueueService:
             if self.queues.get(root) is queue:
                 del self.queues[root]
                 self.stops.pop(root, None)
+                self.webhooks.let_go(root)
                 self._remember()
 
     def _remember(self) -> None:
         """The roots watched, in the GCS (under the dicts' lock)."""
         if self.known is not None:
-            self.known.put(sorted(self.queues))
+            self.known.put(sorted({*self.queues, *self.webhooks.busy_roots()}))
 
     def _resume(self) -> None:
         """A restarted service watches the roots its predecessor did."""
@@ -168,7 +177,7 @@ class QueueService:
         alone_since = time.monotonic()
         while not self.closed.wait(self.tick_s):
             with self.lock:
-                if self.queues:
+                if self.queues or self.webhooks.busy_roots():
                     alone_since = time.monotonic()
                     continue
             if time.monotonic() - alone_since > IDLE_EXIT_S:
