@@ -144,3 +144,28 @@ def test_moment_reads_dates_times_and_durations_ago():
     assert moment("--until", None) is None
     with pytest.raises(ConfigError, match="--since 'yesterday': give a date"):
         moment("--since", "yesterday")
+
+
+def test_push_says_what_the_job_costs_an_hour_at_the_clusters_prices(books_root, capsys):
+    """`push` and `recreate` announce the job with its hourly cost (nothing when no prices are
+    set); a GPU type without a price is named, not counted as free."""
+    from orchestrator.cli.jobs_common import announce
+    from orchestrator.cli.render import OutputFormat
+    from orchestrator.client.jobs import JobHandle
+    from orchestrator.spec.training import Compute
+
+    store = JobStore(StorageRoot(str(books_root)))
+    record = store.record("jvision01")
+    job = JobHandle(store, record.model_copy(update={"spec": record.spec.model_copy(update={
+        "job": record.spec.job.model_copy(update={
+            "compute": Compute(node_count=2, cpu_count=4, memory="8Gi", accelerator="H100:2")})
+    })}))  # fmt: skip
+    announce(job, "pushed job jvision01", OutputFormat.text)
+    assert "cost:" not in capsys.readouterr().out  # no prices set
+    cli(books_root, "capacity", "price", "--gpu", "A100=1.0", "--cpu-hour", "0.05")
+    announce(job, "pushed job jvision01", OutputFormat.text)
+    said = capsys.readouterr().out
+    assert "cost:  costs 0.40 USD an hour at the cluster's prices (no price for H100: not " \
+           "counted)" in said.replace("\n", " ")  # fmt: skip
+    cli(books_root, "capacity", "price", "--gpu", "H100=2.0")
+    assert job.cost_per_hour() == "costs 8.40 USD an hour at the cluster's prices"

@@ -41,13 +41,17 @@ def announce(job: JobHandle, what: str, output: OutputFormat) -> None:
         })  # fmt: skip
         return
     print_warnings(warnings)
-    console.print(
-        f"{what} of project {escape(job.project)} to {job.record.ray_address}\n"
-        f"  logs:  orchestrator logs --job-id {job.id} --tail\n"
-        f"  view:  orchestrator view --job-id {job.id}\n"
-        f"  stop:  orchestrator stop --job-id {job.id}",
-        markup=True,
-    )
+    try:
+        cost = job.cost_per_hour()
+    except Exception:  # the job is pushed: a price it cannot read changes nothing
+        cost = None
+    lines = [f"{what} of project {escape(job.project)} to {job.record.ray_address}"]
+    if cost:
+        lines.append(f"  cost:  {escape(cost)}")
+    lines += [f"  logs:  orchestrator logs --job-id {job.id} --tail",
+              f"  view:  orchestrator view --job-id {job.id}",
+              f"  stop:  orchestrator stop --job-id {job.id}"]  # fmt: skip
+    console.print("\n".join(lines), markup=True)
 
 
 def follow(job: JobHandle) -> int:

@@ -80,6 +80,18 @@ def hourly_cost(record: JobRecord, prices: Prices) -> dict[str, Any]:
     }
 
 
+def cost_line(record: JobRecord, prices: Prices) -> str | None:
+    """`costs 4.98 USD an hour at the cluster's prices`, with the GPU types that have no price;
+    None when no prices are set."""
+    if prices.empty:
+        return None
+    cost = hourly_cost(record, prices)
+    line = f"costs {cost['per_hour']:.2f} {cost['currency']} an hour at the cluster's prices"
+    if cost["unpriced"]:
+        line += f" (no price for {', '.join(cost['unpriced'])}: not counted)"
+    return line
+
+
 def usage(
     *,
     team: str | None = None,

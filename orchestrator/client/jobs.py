@@ -180,6 +180,14 @@ class JobHandle:
         at the prices of its admissions (books/usage.py)."""
         return job_usage(self.record, self.refresh(), time.time())
 
+    def cost_per_hour(self) -> str | None:
+        """What the job's nodes cost an hour at the cluster's prices now, in words (None: no
+        prices set); what it cost so far is `usage().usage.cost`."""
+        from orchestrator.client.books import cost_line
+        from orchestrator.storage.prices import read_prices
+
+        return cost_line(self.record, read_prices(self._store.root))
+
     def metrics(self) -> JobMetrics:
         """Each rank's resource samples, with the time in each state, weights delivery and
         checkpoint uploads (client/metrics.py)."""
