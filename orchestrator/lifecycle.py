@@ -39,6 +39,9 @@ class FaultKind(str, enum.Enum):
     # stored with the job; retried while `retries` lasts, but not twice in a row without a
     # checkpoint between.
     STUCK = "stuck"
+    # The job held its nodes for its `max_duration` (controller/time_limit.py): never retried
+    # (a retry would only run past the same limit); queued time does not count.
+    MAX_DURATION = "max_duration"
 
 
 # A job whose commands all exited 0 but whose checkpoints were not all stored ends COMPLETED

@@ -8,7 +8,13 @@ from typing import Annotated
 import typer
 
 from orchestrator.cli.jobs_common import announce, follow
-from orchestrator.cli.options import RETRIES, RETRY_ON_FAILURE, Address, StorageRootOption
+from orchestrator.cli.options import (
+    MAX_DURATION,
+    RETRIES,
+    RETRY_ON_FAILURE,
+    Address,
+    StorageRootOption,
+)
 from orchestrator.cli.render import (
     OutputFormat,
     console,
@@ -50,6 +56,7 @@ def push(
     ] = False,
     retries: Annotated[int | None, RETRIES] = None,
     retry_on_failure: Annotated[bool, RETRY_ON_FAILURE] = False,
+    max_duration: Annotated[str | None, MAX_DURATION] = None,
     address: Address = None,
     storage_root: StorageRootOption = None,
     output: Annotated[OutputFormat, typer.Option("-o", "--output")] = OutputFormat.text,
@@ -58,6 +65,7 @@ def push(
     overrides = Overrides(
         job_name, team, node_count, accelerator, entrypoint,
         interactive.value if interactive else None, interactive_timeout_minutes, priority, spot,
+        max_duration,
     )  # fmt: skip
     if dry_run:
         _print_dry_run(api.dry_run(config, overrides=overrides), output)

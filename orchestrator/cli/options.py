@@ -37,3 +37,9 @@ RETRIES = typer.Option(
 RETRY_ON_FAILURE = typer.Option(
     "--retry-on-failure", help="Retry a start command that exits non-zero too (uses --retries)"
 )
+MAX_DURATION = typer.Option(
+    "--max-duration",
+    help="How long the job may hold its nodes, e.g. 2h, 90m, 1h30m or seconds (time in the "
+    "queue not counted); then SIGTERM, its checkpoints flushed, and FAILED. Overrides the "
+    "config's max_duration",
+)

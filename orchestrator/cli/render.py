@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.sizes import human_bytes
+from orchestrator.spec.durations import spelled
 
 console = Console(highlight=False)
 
@@ -51,6 +52,9 @@ def print_job_summary(summary: dict[str, Any]) -> None:
     table.add_row("availability", summary["availability_model"])
     if summary.get("ray_train"):
         table.add_row("ray train", summary["ray_train"])
+    if summary.get("max_duration") is not None:
+        limit = spelled(summary["max_duration"])
+        table.add_row("max duration", f"{limit} holding its nodes (queued time not counted)")
     commands = summary["start_commands"]
     table.add_row("start commands", "\n".join(commands) if commands else "(none)")
     env = summary["environment"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ def push(
     colocate_ranks: bool = False,
     retries: int | None = None,
     retry_on_failure: bool = False,
+    max_duration: str | float | None = None,
 ) -> JobHandle:
     """Validate, package and submit a job. Nothing is created if the config is invalid.
 
@@ -39,13 +40,14 @@ def push(
     rank: multinode code on a single development machine. `retries`: how many times a lost
     node or agent (and, with `retry_on_failure`, a failed command) is retried from the job's
     latest checkpoint (default ORCHESTRATOR_MAX_RETRIES, else 0); preemptions are retried
-    without using it.
+    without using it. `max_duration` ("2h", "90m", or seconds) overrides the config's: how long
+    the job may hold its nodes before its commands get SIGTERM and it ends FAILED.
     """
     try:
         retry = RetryPolicy.resolve(retries, retry_on_failure)
     except ValueError as e:
         raise OrchestratorError(str(e)) from None
-    prepared = prepare_job(config, source_dir, overrides)
+    prepared = prepare_job(config, source_dir, _with_max_duration(overrides, max_duration))
     connection = connect(address)
     store = JobStore(storage(storage_root))
     project = prepared.project
@@ -72,15 +74,25 @@ def dry_run(
     source_dir: str | Path | None = None,
     *,
     overrides: Overrides | None = None,
+    max_duration: str | float | None = None,
 ) -> DryRun:
     """Everything `push` does short of submitting: load, override, validate, package. Reaches
     no cluster and no storage root."""
-    prepared = prepare_job(config, source_dir, overrides)
+    prepared = prepare_job(config, source_dir, _with_max_duration(overrides, max_duration))
     with tempfile.TemporaryDirectory(prefix="orchestrator-dry-run-") as tmp:
         archive = write_archive(prepared.plan, Path(tmp) / "workspace.tar")
     summary = describe_job(prepared.project, prepared.plan)
     summary["archive"].update(tar_bytes=archive.size_bytes, sha256=archive.sha256)
     return DryRun(summary, tuple(prepared.warnings), archive.size_bytes, archive.sha256)
+
+
+def _with_max_duration(
+    overrides: Overrides | None, max_duration: str | float | None
+) -> Overrides | None:
+    """`push(max_duration=...)` as the override `--max-duration` is."""
+    if max_duration is None:
+        return overrides
+    return replace(overrides or Overrides(), max_duration=max_duration)
 
 
 def recreate(

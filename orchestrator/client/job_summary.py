@@ -31,6 +31,7 @@ def describe_job(project: TrainingProject, plan: WorkspacePlan | None = None) ->
         "availability_model": compute.availability_model.value,
         "ray_train": _ray_train(project.job),
         "priority": job.priority,
+        "max_duration": job.max_duration,  # as written: "2h", or seconds
         "interactive_session": (
             job.interactive_session.model_dump(mode="json") if job.interactive_session else None
         ),

@@ -22,6 +22,7 @@ class Overrides:
     interactive_timeout_minutes: int | None = None
     priority: int | None = None
     spot: bool = False  # availability_model spot; the flag always wins
+    max_duration: str | float | None = None  # "2h", "90m", or seconds (our extension)
 
     def apply(self, project: TrainingProject) -> tuple[TrainingProject, list[str]]:
         """The overridden project (validated) and one warning per value it replaced."""
@@ -64,6 +65,8 @@ class Overrides:
             if job["compute"].get("availability_model") == "dedicated":
                 job["compute"]["availability_model"] = None  # the default: nothing to warn of
             put(job["compute"], "availability_model", "spot", "--spot")
+        if self.max_duration is not None:
+            put(job, "max_duration", self.max_duration, "--max-duration")
         try:
             return TrainingProject.model_validate(data, strict=False), warnings
         except ValidationError as e:

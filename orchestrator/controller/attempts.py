@@ -21,6 +21,7 @@ from typing import Any
 from orchestrator.agents.messages import MetricsRequest
 from orchestrator.agents.rank_program import StartRequest
 from orchestrator.controller import stuck as _stuck  # noqa: F401  (registers StuckWatcher)
+from orchestrator.controller import time_limit as _time_limit  # noqa: F401  (TimeLimitWatcher)
 from orchestrator.controller.checkpointing import RestoreFailed, Uploaders
 from orchestrator.controller.environment import job_environment
 from orchestrator.controller.failure_policy import (

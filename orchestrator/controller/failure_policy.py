@@ -13,6 +13,7 @@ FailurePolicy/FailureDecision are. The rules (docs/architecture.md#faults-and-re
 - a stuck attempt (a rank silent for its window, controller/stuck.py) is retried while
   `retries` lasts, but a second stuck attempt in a row with no checkpoint stored between them
   ends the job (a retry would only hang again where it did);
+- a job past its `max_duration` (controller/time_limit.py) is never retried: it ends FAILED;
 - a stop by the user is never retried.
 """
 
@@ -26,7 +27,7 @@ from orchestrator.lifecycle import FaultKind, JobState
 from orchestrator.storage.records import RetryPolicy
 
 INFRASTRUCTURE = frozenset({FaultKind.NODE_LOST, FaultKind.AGENT_LOST})
-NEVER_RETRIED = frozenset({FaultKind.STOPPED, FaultKind.OVER_VOLUME})
+NEVER_RETRIED = frozenset({FaultKind.STOPPED, FaultKind.OVER_VOLUME, FaultKind.MAX_DURATION})
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class FailurePolicy:
             return FailureDecision(Action.END, "stopped by user", JobState.STOPPED)
         if kind == FaultKind.OVER_VOLUME:
             why = "a checkpoint directory over volume_size_gib is not retried"
+            return FailureDecision(Action.END, why, JobState.FAILED)
+        if kind == FaultKind.MAX_DURATION:
+            why = "a job past its max_duration is not retried"
             return FailureDecision(Action.END, why, JobState.FAILED)
         if kind == FaultKind.PREEMPTED:
             used = sum(f.kind == FaultKind.PREEMPTED for f in earlier) + 1

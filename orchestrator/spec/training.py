@@ -35,6 +35,7 @@ from orchestrator.spec.base import (
 )
 from orchestrator.spec.checkpoints import CheckpointingConfig, LoadCheckpointConfig
 from orchestrator.spec.docker_auth import DockerAuth
+from orchestrator.spec.durations import Duration, parse_duration
 from orchestrator.spec.secrets import SecretReference
 from orchestrator.spec.weights import WeightsSource
 from orchestrator.spec.workspace import Workspace
@@ -229,6 +230,15 @@ class TrainingJob(StrictModel):
     # Orchestrator's extension: a rank on which nothing moved this long is stuck (its stacks
     # stored, the attempt retried or failed); unset: ORCHESTRATOR_STUCK_AFTER_S on the head.
     stuck_after_s: StrictFloat | StrictInt | None = Field(default=None, gt=0)
+    # Orchestrator's extension: how long the job may hold its nodes ("2h", "90m", "1h30m", or
+    # seconds); at the limit its commands get SIGTERM, its checkpoints are flushed and it ends
+    # FAILED (controller/time_limit.py). Time waiting in the queue does not count.
+    max_duration: Duration | None = None
+
+    @property
+    def max_duration_s(self) -> float | None:
+        """`max_duration` in seconds, or None for no limit."""
+        return None if self.max_duration is None else parse_duration(self.max_duration)
 
     @field_validator("weights")
     @classmethod
