@@ -10,11 +10,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.books.usage import JobUsage, job_usage
+from orchestrator.cli.cmd_queue import start_text
 from orchestrator.cli.cmd_usage import usage_line
 from orchestrator.cli.options import JobId, Project, StorageRootOption
 from orchestrator.cli.render import OutputFormat, console, human_bytes, print_json, when
 from orchestrator.client.api import get_job, list_jobs
 from orchestrator.client.jobs import JobHandle
+from orchestrator.client.queue import start_estimate
 from orchestrator.lifecycle import JobState
 from orchestrator.storage.records import JobRecord, JobStatus
 
@@ -31,9 +33,9 @@ def view(
     if job_id:
         job = get_job(job_id, storage_root=storage_root)
         if output is OutputFormat.json:
-            print_json(_job_detail(job))
+            print_json(_job_detail(job, storage_root))
         else:
-            _print_detail(job)
+            _print_detail(job, storage_root)
         return
     rows = [_job_row(j) for j in list_jobs(project, storage_root=storage_root)]
     rows.reverse()  # oldest first
@@ -133,9 +135,11 @@ def _job_row(job: JobHandle, details: JobStatus | None = None) -> dict:
     }
 
 
-def _job_detail(job: JobHandle) -> dict:
+def _job_detail(job: JobHandle, storage_root: str | None = None) -> dict:
     details = job.refresh()
     summary = details.checkpoints
+    waiting = details.state in (JobState.CREATED, JobState.PENDING)
+    estimate = start_estimate(job.id, storage_root=storage_root) if waiting else None
     return {
         **_job_row(job, details),
         "team": job.record.team,
@@ -156,6 +160,9 @@ def _job_detail(job: JobHandle) -> dict:
         "retry": job.record.retry.model_dump(mode="json"),
         "attempts": [a.model_dump(mode="json") for a in details.attempts],
         "usage": job_usage(job.record, details, time.time()).model_dump(),
+        # A waiting job's, from the queue's last view (None: not waiting, or not in it yet)
+        "estimated_start": estimate["estimated_start"] if estimate else None,
+        "estimate": estimate["estimate"] if estimate else None,
     }
 
 
@@ -191,8 +198,8 @@ def _attempt_line(a: dict) -> str:
     return line + (f" -> {a['decision']}" if a["decision"] else "")
 
 
-def _print_detail(job: JobHandle) -> None:
-    d = _job_detail(job)
+def _print_detail(job: JobHandle, storage_root: str | None = None) -> None:
+    d = _job_detail(job, storage_root)
     table = Table(show_header=False, box=None)
     table.add_column(style="bold")
     table.add_column()
@@ -206,6 +213,11 @@ def _print_detail(job: JobHandle) -> None:
     for event in d["history"]:
         reason = escape(event["reason"] or "")
         table.add_row("", f"{when(event['at'])}  {event['state']}  {reason}")
+    if d["estimate"] is not None:
+        start = start_text(d["estimated_start"], d["estimate"], time.time())
+        if d["estimated_start"] is not None and d["estimate"]:
+            start += f": {d['estimate']}"  # how: "after j1 ends (its max_duration 2h 0m), ..."
+        table.add_row("estimated start", escape(start))
     if d["runtime"]:
         table.add_row("runtime", escape(d["runtime"]))
     for node in d["nodes_detail"]:

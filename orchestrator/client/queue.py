@@ -116,7 +116,8 @@ def queue(*, include_running: bool = False, storage_root: str | None = None) -> 
             rows.append(((3, 0), _row(e, "impossible", None, impossible[e.job_id])))
         elif e.job_id in waiting:
             w = waiting[e.job_id]
-            rows.append(((1, w.position), _row(e, "queued", w.position, w.reason)))
+            row = _row(e, "queued", w.position, w.reason, w.estimated_start, w.estimate)
+            rows.append(((1, w.position), row))
         else:
             rows.append(((2, 0), _row(e, "queued", None, NOT_CONSIDERED)))
     jobs = JobStore(root)
@@ -182,7 +183,21 @@ def demand_text(entry: QueueEntry) -> str:
     return f"{entry.nodes} x ({describe(entry.bundle)})"
 
 
-def _row(entry: QueueEntry, state: str, position: int | None, reason: str) -> dict:
+def start_estimate(job_id: str, *, storage_root: str | None = None) -> dict | None:
+    """A waiting job's estimated start as the queue service last wrote it: `estimated_start`
+    (epoch seconds, None if it cannot say) and `estimate` (how, or why not); None when the
+    job is not among the waiting jobs of the last decision."""
+    view = QueueStore(storage(storage_root)).view()
+    for w in view.waiting if view else []:
+        if w.job_id == job_id:
+            return {"estimated_start": w.estimated_start, "estimate": w.estimate}
+    return None
+
+
+def _row(
+    entry: QueueEntry, state: str, position: int | None, reason: str,
+    estimated_start: float | None = None, estimate: str = "",
+) -> dict:  # fmt: skip
     return {
         "job_id": entry.job_id,
         "team": entry.team,
@@ -192,6 +207,8 @@ def _row(entry: QueueEntry, state: str, position: int | None, reason: str) -> di
         "reason": reason,
         "demand": demand_text(entry),
         "state": state,
+        "estimated_start": estimated_start,  # epoch seconds; None: not estimated (see estimate)
+        "estimate": estimate,  # how it was estimated, or "cannot estimate: <why>"
     }
 
 

@@ -25,5 +25,7 @@ def entry_for(record: JobRecord, **fields: object) -> QueueEntry:
         "image": image.base_image,
         "image_registry": image.docker_auth.registry if auth else None,
         "image_secret": auth.secret_ref.name if auth else None,
+        "project": record.project_key,
+        "max_duration_s": record.spec.job.max_duration_s,
         **fields,
     })  # fmt: skip

@@ -13,9 +13,10 @@ service that is killed and started again rebuilds the same queues.
 The parts, each tested alone: `QueueManager` (which jobs wait and run, their standings),
 `SnapshotBuilder` (what the policy decides on, the cluster read through a `ClusterReader`),
 `OrphanReaper` (jobs whose controller died), `QueueViewWriter` (what `orchestrator queue`
-shows). Its storage calls ride out an outage for `STORAGE_BUDGET_S` only (a job's own calls
-wait up to 30 minutes): a root that is down fails its own calls and ticks quickly, and is asked
-again at the next tick.
+shows, with each waiting job's estimated start from `RunHistory`'s typical runs). Its storage
+calls ride out an outage for `STORAGE_BUDGET_S` only (a job's own calls wait up to 30
+minutes): a root that is down fails its own calls and ticks quickly, and is asked again at the
+next tick.
 """
 
 from __future__ import annotations
@@ -25,19 +26,22 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from orchestrator.agents.runtimes import cluster_runtime_kind
 from orchestrator.lifecycle import JobState
 from orchestrator.scheduler.cluster_reader import ClusterReader
+from orchestrator.scheduler.estimate import Estimate, estimate_starts
 from orchestrator.scheduler.image_prefetch import ImagePrefetch, Pull
 from orchestrator.scheduler.job_notes import JobNotes
 from orchestrator.scheduler.launcher import ControllerLauncher, Launched
-from orchestrator.scheduler.model import Decision
+from orchestrator.scheduler.model import ClusterSnapshot, Decision
 from orchestrator.scheduler.orphan_reaper import OrphanReaper
 from orchestrator.scheduler.policy import SchedulingPolicy
 from orchestrator.scheduler.queue_manager import Admission, QueueManager, QueueView, ViewedEntry
 from orchestrator.scheduler.queue_view_writer import QueueViewWriter
 from orchestrator.scheduler.reasons import never_fits_cause, queue_timeout_cause
+from orchestrator.scheduler.run_history import RunHistory
 from orchestrator.scheduler.snapshot_builder import SnapshotBuilder
 from orchestrator.scheduler.team_meters import TeamMeters
 from orchestrator.storage.job_store import JobStore
@@ -74,7 +78,8 @@ class RootQueue:
         self.snapshots = SnapshotBuilder(cluster, autoscaling)
         jobs = JobStore(self.root)
         self.reaper = OrphanReaper(cluster, jobs, launcher)
-        self.view_writer = QueueViewWriter(store)
+        self.history = RunHistory(jobs)  # the projects' typical runs, for the start estimates
+        self.view_writer = QueueViewWriter(store, self._estimate)
         self.notes = JobNotes(jobs)
         self.launcher = launcher
         self.session = launcher.session() if launcher is not None else None
@@ -199,11 +204,20 @@ class RootQueue:
             snap = self.snapshots.build(self.queue.entries(), self.queue.quotas, now)
             decision = self.policy.decide(snap)
             self.queue.carry_out(decision, now)
-            self.view_writer.show(decision, snap.nodes, now)
+            self.view_writer.show(decision, snap.nodes, now, snap)
             if self.prefetch is not None:
                 self.prefetch.consider(decision, self.queue.ledger.get, snap.nodes)
             if not self._act_for_waiting(decision, now):
                 return decision
+
+    def _estimate(self, snap: ClusterSnapshot) -> Callable[[], dict[str, Estimate]]:
+        """Each waiting job's estimated start: the policy simulated forward over the jobs'
+        limits and their projects' latest runs. What it needs is taken now (the view writer
+        asks under the lock); the simulation runs when called, off it."""
+        entries = self.queue.entries()
+        run_times = self.history.run_times(entries)
+        pushed_at = {e.job_id: e.pushed_at for e in entries}
+        return partial(estimate_starts, snap, self.policy, run_times, pushed_at=pushed_at)
 
     def _act_for_waiting(self, decision: Decision, now: float) -> bool:
         """What the service does for jobs without a controller; whether any left the queue."""

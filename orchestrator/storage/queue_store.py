@@ -89,6 +89,8 @@ class QueueEntry(BaseModel):
     image: str | None = None  # its base_image, pulled ahead onto nodes while it waits
     image_registry: str | None = None  # docker_auth's REGISTRY_SECRET: the registry
     image_secret: str | None = None  # ... and the secret's name (resolved on the node)
+    project: str | None = None  # its project's id: whose history its start estimate counts on
+    max_duration_s: float | None = None  # how long it may hold its nodes (its max_duration)
 
     @property
     def awaits_controller(self) -> bool:
@@ -119,6 +121,8 @@ class WaitingView(BaseModel):
     job_id: str
     position: int
     reason: str
+    estimated_start: float | None = None  # epoch seconds (scheduler/estimate.py)
+    estimate: str = ""  # how it was estimated, or "cannot estimate: <why>"; "": not yet
 
 
 class NodeView(BaseModel):
