@@ -165,7 +165,29 @@ def test_push_says_what_the_job_costs_an_hour_at_the_clusters_prices(books_root,
     cli(books_root, "capacity", "price", "--gpu", "A100=1.0", "--cpu-hour", "0.05")
     announce(job, "pushed job jvision01", OutputFormat.text)
     said = capsys.readouterr().out
-    assert "cost:  costs 0.40 USD an hour at the cluster's prices (no price for H100: not " \
-           "counted)" in said.replace("\n", " ")  # fmt: skip
+    assert (
+        "cost: costs 0.40 USD an hour at the cluster's prices (no price for H100: not counted)"
+    ) in " ".join(said.split())  # as wrapped at any width
     cli(books_root, "capacity", "price", "--gpu", "H100=2.0")
     assert job.cost_per_hour() == "costs 8.40 USD an hour at the cluster's prices"
+
+
+def test_push_dry_run_says_the_hourly_cost_from_the_storage_roots_prices(tmp_path):
+    mnist = Path(__file__).parent.parent / "recipes" / "mnist-pytorch" / "config.py"
+    root = tmp_path / "storage"
+    unset = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "push", str(mnist), "--dry-run",
+         "--storage-root", str(root)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "250"},
+    )  # fmt: skip
+    assert unset.returncode == 0, unset.stderr
+    assert "cost: no prices set (orchestrator capacity price)" in unset.stdout
+    assert cli(root, "capacity", "price", "--cpu-hour", "1.5").returncode == 0
+    done = cli(root, "push", str(mnist), "--dry-run", "--node-count", "2", "-o", "json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)["summary"]
+    cpus = summary["per_node"]["cpu"]
+    assert summary["cost_per_hour"] == (
+        f"costs {2 * float(cpus) * 1.5:.2f} USD an hour at the cluster's prices"
+    )
+    assert not (root / "jobs").exists()  # nothing submitted

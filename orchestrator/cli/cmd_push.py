@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from orchestrator.cli.jobs_common import announce, follow
 from orchestrator.cli.options import (
@@ -68,7 +69,8 @@ def push(
         max_duration,
     )  # fmt: skip
     if dry_run:
-        _print_dry_run(api.dry_run(config, overrides=overrides), output)
+        _print_dry_run(api.dry_run(config, overrides=overrides, storage_root=storage_root),
+                       output)  # fmt: skip
         return
     job = api.push(
         config, address=address, storage_root=storage_root, overrides=overrides,
@@ -85,6 +87,8 @@ def _print_dry_run(result: api.DryRun, output: OutputFormat) -> None:
         return
     print_warnings(list(result.warnings))
     print_job_summary({**result.summary, "notices": []})
+    cost = result.summary.get("cost_per_hour") or "no prices set (orchestrator capacity price)"
+    console.print(f"cost: {escape(cost)}")
     console.print(
         f"dry run: archive {human_bytes(result.archive_bytes)} sha256 "
         f"{result.archive_sha256[:12]}; nothing was submitted"

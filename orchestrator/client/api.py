@@ -75,15 +75,27 @@ def dry_run(
     *,
     overrides: Overrides | None = None,
     max_duration: str | float | None = None,
+    storage_root: str | None = None,
 ) -> DryRun:
     """Everything `push` does short of submitting: load, override, validate, package. Reaches
-    no cluster and no storage root."""
+    no cluster; reads the cluster's prices from the storage root (`cost_per_hour`: what the
+    job would cost an hour, None when none are set or they cannot be read), writes nothing."""
     prepared = prepare_job(config, source_dir, _with_max_duration(overrides, max_duration))
     with tempfile.TemporaryDirectory(prefix="orchestrator-dry-run-") as tmp:
         archive = write_archive(prepared.plan, Path(tmp) / "workspace.tar")
     summary = describe_job(prepared.project, prepared.plan)
     summary["archive"].update(tar_bytes=archive.size_bytes, sha256=archive.sha256)
+    summary["cost_per_hour"] = _cost(prepared.project, storage_root)
     return DryRun(summary, tuple(prepared.warnings), archive.size_bytes, archive.sha256)
+
+
+def _cost(project: TrainingProject, storage_root: str | None) -> str | None:
+    from orchestrator.client.books import cost_line, prices
+
+    try:
+        return cost_line(project.job.compute, prices(storage_root=storage_root))
+    except Exception as e:  # nothing is submitted: a price that cannot be read is said
+        return f"unknown: the cluster's prices could not be read ({type(e).__name__}: {e})"
 
 
 def _with_max_duration(

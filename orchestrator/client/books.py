@@ -14,6 +14,7 @@ from orchestrator.client.connection import storage
 from orchestrator.client.queue import NO_TEAM, accelerator_type
 from orchestrator.errors import ConfigError
 from orchestrator.scheduler.cluster_view import bundle_of
+from orchestrator.spec.training import Compute
 from orchestrator.storage.job_store import JobStore
 from orchestrator.storage.parallel import parallel_map
 from orchestrator.storage.prices import Prices, read_prices, write_prices
@@ -67,10 +68,9 @@ def describe_prices(prices: Prices) -> str:
     return ", ".join(parts) + f" ({prices.currency})"
 
 
-def hourly_cost(record: JobRecord, prices: Prices) -> dict[str, Any]:
-    """What the job's nodes cost an hour at `prices`: the figure, the currency, and the GPU
+def hourly_cost(compute: Compute, prices: Prices) -> dict[str, Any]:
+    """What a job of `compute` costs an hour at `prices`: the figure, the currency, and the GPU
     types without a price (whose share is not in the figure)."""
-    compute = record.spec.job.compute
     bundle, at = bundle_of(compute), rates(prices)
     return {
         "per_hour": round(per_hour(bundle, compute.node_count, at), 6),
@@ -80,12 +80,12 @@ def hourly_cost(record: JobRecord, prices: Prices) -> dict[str, Any]:
     }
 
 
-def cost_line(record: JobRecord, prices: Prices) -> str | None:
+def cost_line(compute: Compute, prices: Prices) -> str | None:
     """`costs 4.98 USD an hour at the cluster's prices`, with the GPU types that have no price;
     None when no prices are set."""
     if prices.empty:
         return None
-    cost = hourly_cost(record, prices)
+    cost = hourly_cost(compute, prices)
     line = f"costs {cost['per_hour']:.2f} {cost['currency']} an hour at the cluster's prices"
     if cost["unpriced"]:
         line += f" (no price for {', '.join(cost['unpriced'])}: not counted)"

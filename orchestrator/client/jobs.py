@@ -186,7 +186,7 @@ class JobHandle:
         from orchestrator.client.books import cost_line
         from orchestrator.storage.prices import read_prices
 
-        return cost_line(self.record, read_prices(self._store.root))
+        return cost_line(self.record.spec.job.compute, read_prices(self._store.root))
 
     def metrics(self) -> JobMetrics:
         """Each rank's resource samples, with the time in each state, weights delivery and
