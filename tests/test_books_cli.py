@@ -191,3 +191,28 @@ def test_push_dry_run_says_the_hourly_cost_from_the_storage_roots_prices(tmp_pat
         f"costs {2 * float(cpus) * 1.5:.2f} USD an hour at the cluster's prices"
     )
     assert not (root / "jobs").exists()  # nothing submitted
+
+
+def test_a_dry_run_whose_storage_root_is_out_of_reach_says_so_at_once(tmp_path):
+    """Offline (an S3 endpoint nothing answers on): the dry run gives up on the prices within
+    seconds and says so, rather than riding out a 30-minute outage as a job would."""
+    from conftest import free_port
+
+    mnist = Path(__file__).parent.parent / "recipes" / "mnist-pytorch" / "config.py"
+    env = {
+        **os.environ,
+        "COLUMNS": "250",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "push", str(mnist), "--dry-run",
+         "--storage-root", "s3://nobody-home"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "cost: unknown: the cluster's prices could not be read" in done.stdout, done.stdout
+    assert time.monotonic() - began < 60

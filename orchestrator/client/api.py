@@ -69,6 +69,9 @@ class DryRun:
     archive_sha256: str
 
 
+DRY_RUN_PRICES_S = 5.0  # how long push --dry-run tries to read the cluster's prices
+
+
 def dry_run(
     config: str | Path | TrainingProject,
     source_dir: str | Path | None = None,
@@ -90,10 +93,16 @@ def dry_run(
 
 
 def _cost(project: TrainingProject, storage_root: str | None) -> str | None:
-    from orchestrator.client.books import cost_line, prices
+    """The hourly cost line, its prices read within DRY_RUN_PRICES_S: a dry run offline (an
+    object store out of reach) must not ride out an outage as a job's storage calls do."""
+    from orchestrator.client.books import cost_line
+    from orchestrator.storage.prices import read_prices
+    from orchestrator.storage.retry import StorageRetry
 
     try:
-        return cost_line(project.job.compute, prices(storage_root=storage_root))
+        root = storage(storage_root)
+        root.retry = StorageRetry(root.url, DRY_RUN_PRICES_S, say=lambda line: None)
+        return cost_line(project.job.compute, read_prices(root))
     except Exception as e:  # nothing is submitted: a price that cannot be read is said
         return f"unknown: the cluster's prices could not be read ({type(e).__name__}: {e})"
 
