@@ -139,7 +139,7 @@ result = TorchTrainer(
     scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
     run_config=RunConfig(name="queued"),
 ).fit()
-print("trained:", result.error, flush=True)
+print(f"trained: {result.error}", flush=True)  # one write: Ray's forwarded worker lines share the pipe
 """
 
 WAIT_FOR_GATE = (
