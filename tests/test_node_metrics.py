@@ -71,13 +71,22 @@ def burner():
 
 
 def test_the_process_tree_counts_the_commands_cpu_and_memory_not_the_root(burner):
+    children = psutil.Process().children(recursive=True)
+
+    def cpu_s() -> float:  # what the children used, as the kernel counts it
+        return sum(sum(p.cpu_times()[:2]) for p in children)
+
     tree = ProcessTree()
+    used, started = cpu_s(), time.monotonic()
     tree.sample(os.getpid())
     time.sleep(1.0)
     cores, rss, processes = tree.sample(os.getpid())
+    got = (cpu_s() - used) / (time.monotonic() - started)
     # This test process (the root) idles; under it one child burns a core and one holds 200 MiB.
-    # The machine has two cores and other work: most of a core is seen.
-    assert cores >= 0.7, cores
+    # What the burner gets of the machine's two cores depends on the other work there (the
+    # suite's Ray tests run beside this one): the tree sees what it got.
+    assert got > 0.1, got
+    assert abs(cores - got) <= 0.1 + 0.2 * got, (cores, got)
     assert rss >= 200 * MiB, rss
     assert processes >= 3  # the shell and both Pythons
     # The root's own use is not the job's: with no children there is nothing to count.
@@ -92,12 +101,20 @@ def test_a_command_under_its_guard_is_counted_alone_not_the_guards_watcher(tmp_p
     threading.Thread(target=lambda: list(stream), daemon=True).start()
     try:
         deadline = time.monotonic() + 10
-        while (guard := runner.pid()) is None or len(psutil.Process(guard).children()) < 2:
+        # Until the command's process has exec'd it is a fork of the guard, its command line
+        # the guard's: the watcher's look (a sample then counts nothing, for a moment).
+        while (guard := runner.pid()) is None or not _exec_d(psutil.Process(guard)):
             assert time.monotonic() < deadline, "the guard, its watcher and the command start"
             time.sleep(0.05)
         assert ProcessTree().sample(guard)[2] == 1  # `sleep` alone
     finally:
         runner.stop(grace_s=2)
+
+
+def _exec_d(guard: psutil.Process) -> bool:
+    """Whether the guard has its watcher and a child that runs something else: the command."""
+    children = guard.children()
+    return len(children) >= 2 and any(c.cmdline() != guard.cmdline() for c in children)
 
 
 def test_disk_bytes_counts_hard_links_once_and_does_not_follow_links(tmp_path):

@@ -167,7 +167,8 @@ result = TorchTrainer(
     scaling_config=ScalingConfig(num_workers=4, use_gpu=True),
     run_config=RunConfig(name="job", storage_path=os.path.join(OUT, "store")),
 ).fit()
-print(f"trained: {result.error}", flush=True)  # one write: Ray's forwarded worker lines share the pipe
+# One write: Ray's forwarded worker lines share the pipe, and split a print of two parts.
+print(f"trained: {result.error}", flush=True)
 """
 
 

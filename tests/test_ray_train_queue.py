@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import ray
 import test_faults
-from conftest import eventually, make_job
+from conftest import SIMULATED_SYSTEM_CONFIG, eventually, make_job
 from ray._private.utils import write_ray_address
 from ray.cluster_utils import Cluster
 
@@ -69,7 +69,7 @@ def faults(orchestrator_home, s3_server, tmp_path_factory) -> Iterator[PrivateFa
     head = {"num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
             "dashboard_port": port, "gcs_server_port": gcs, "dashboard_agent_listen_port": agent,
             "metrics_export_port": metrics, "temp_dir": temp_dir,
-            "_system_config": {"metrics_report_interval_ms": 2000}}  # fmt: skip
+            "_system_config": SIMULATED_SYSTEM_CONFIG}  # fmt: skip
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         write_ray_address(cluster.gcs_address, temp_dir)
@@ -139,7 +139,8 @@ result = TorchTrainer(
     scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
     run_config=RunConfig(name="queued"),
 ).fit()
-print(f"trained: {result.error}", flush=True)  # one write: Ray's forwarded worker lines share the pipe
+# One write: Ray's forwarded worker lines share the pipe, and split a print of two parts.
+print(f"trained: {result.error}", flush=True)
 """
 
 WAIT_FOR_GATE = (
