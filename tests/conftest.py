@@ -69,7 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
     xdist_groups.start(config)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, whose loadgroup misses the groups
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own (it misses groups)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return xdist_groups.scheduler(config, log)
 

@@ -26,7 +26,7 @@ GROUPS_DIR_ENV = "ORCHESTRATOR_TEST_XDIST_GROUPS"  # the controller's directory,
 def start(config: pytest.Config) -> None:
     """In the controller of a `--dist loadgroup` run: the directory its workers (which inherit
     its environment) write their groups into."""
-    if config.getvalue("dist") == "loadgroup" and not hasattr(config, "workerinput"):
+    if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
         os.environ[GROUPS_DIR_ENV] = tempfile.mkdtemp(prefix="xdist-groups-")
 
 
@@ -66,6 +66,6 @@ def finish(config: pytest.Config) -> None:
 
 
 def scheduler(config: pytest.Config, log) -> RecordedGroups | None:
-    if config.getvalue("dist") == "loadgroup" and GROUPS_DIR_ENV in os.environ:
+    if config.getoption("dist", "no") == "loadgroup" and GROUPS_DIR_ENV in os.environ:
         return RecordedGroups(config, log)
     return None
