@@ -70,19 +70,20 @@ def burner():
         shell.wait()
 
 
-def test_the_process_tree_counts_the_commands_cpu_and_memory_not_the_root(burner):
+def cpu_s(burner: subprocess.Popen) -> float:
+    """What the burner's processes have used, as the kernel counts it: what they got of the
+    machine's two cores, which the suite's Ray tests running beside these share."""
     shell = psutil.Process(burner.pid)
-    command = [shell, *shell.children(recursive=True)]
+    return sum(sum(p.cpu_times()[:2]) for p in (shell, *shell.children(recursive=True)))
 
-    def cpu_s() -> float:  # what the command used, as the kernel counts it
-        return sum(sum(p.cpu_times()[:2]) for p in command)
 
+def test_the_process_tree_counts_the_commands_cpu_and_memory_not_the_root(burner):
     tree = ProcessTree()
-    used, started = cpu_s(), time.monotonic()
+    used, started = cpu_s(burner), time.monotonic()
     tree.sample(os.getpid())
     time.sleep(1.0)
     cores, rss, processes = tree.sample(os.getpid())
-    got = (cpu_s() - used) / (time.monotonic() - started)
+    got = (cpu_s(burner) - used) / (time.monotonic() - started)
     # This test process (the root) idles; under it one child burns a core and one holds 200 MiB.
     # What the burner gets of the machine's two cores depends on the other work there (the
     # suite's Ray tests run beside this one): the tree sees what it got.
@@ -176,6 +177,7 @@ def test_samples_are_stored_beside_the_job_and_the_last_one_on_stop(burner, tmp_
     root = StorageRoot(tmp_path / "root")
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "weights.bin").write_bytes(os.urandom(5 * MiB))
+    used, started = cpu_s(burner), time.monotonic()
     s = sampler(root, os.getpid(), tmp_path, interval=0.5)
     deadline = time.monotonic() + 20
     while (stored := read_rank_metrics(root, "job-m", 1)) is None:
@@ -183,12 +185,15 @@ def test_samples_are_stored_beside_the_job_and_the_last_one_on_stop(burner, tmp_
         time.sleep(0.05)
     time.sleep(1.5)
     s.stop()
+    got = (cpu_s(burner) - used) / (time.monotonic() - started)
     stored = read_rank_metrics(root, "job-m", 1)
     assert stored is not None and len(stored.samples) >= 4, stored
     assert [m.rank for m in read_job_metrics(root, "job-m")] == [1]
     last = stored.samples[-1]
     assert time.time() - last.at < 2  # stop's own sample, written by stop
-    assert max(x.cpu_cores for x in stored.samples) >= 0.7
+    assert got > 0.1, got
+    # The busiest sample saw at least about what the burner got on average.
+    assert max(x.cpu_cores for x in stored.samples) >= 0.8 * got - 0.05, (stored.samples, got)
     assert last.memory_bytes >= 200 * MiB
     assert last.disk_bytes["checkpoints"] >= 5 * MiB
     assert last.disk_free_bytes and last.disk_total_bytes and last.gpus == []
