@@ -88,6 +88,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     xdist_groups.record(config, items)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    xdist_groups.claim(item.config, item, RAY_GROUP)
+
+
 def _forbid_ray() -> None:
     """Under `-m 'not cluster'`, a test that starts or joins Ray fails and says to mark it: the
     marker cannot drift from what the tests do."""

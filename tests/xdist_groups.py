@@ -11,6 +11,7 @@ an xdist release fixes the issue.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -41,6 +42,29 @@ def record(config: pytest.Config, items: list[pytest.Item]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(groups))
     tmp.rename(path)  # the scheduler reads it only once every worker's collection is in
+
+
+_held: list[int] = []  # this worker's lock on running Ray tests, held until it exits
+
+
+def claim(config: pytest.Config, item: pytest.Item, group: str) -> None:
+    """In a worker, before a test of `group`: the group's lock, taken once and held until the
+    worker exits (a dead worker's goes with it). If another live worker holds it, the grouping
+    broke (an xdist release that schedules otherwise): the test fails and says so, rather than
+    two Ray clusters running at once and missing their deadlines."""
+    directory = os.environ.get(GROUPS_DIR_ENV)
+    if _held or directory is None or not hasattr(config, "workerinput"):
+        return
+    if (mark := item.get_closest_marker("xdist_group")) is None or group not in mark.args:
+        return
+    fd = os.open(Path(directory) / f"{group}.lock", os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        why = "the group was split: tests/xdist_groups.py no longer schedules it"
+        pytest.fail(f"another xdist worker runs the {group!r} group's tests: {why}", pytrace=False)
+    _held.append(fd)
 
 
 class RecordedGroups(LoadGroupScheduling):
